@@ -1,0 +1,33 @@
+# Two commands on a fresh machine (see README):
+#   make run    install, then run the main job on the embedded default (local launcher)
+#   make test   install what the tests need, start the local Slurm cluster, run the suite
+VENV := .venv
+GYRE := $(VENV)/bin/gyre-hpc
+CONFIG ?= examples/local.yaml
+NODES ?= 4
+PYTEST_ARGS ?=
+
+.PHONY: run test quicktest install install-test install-system cluster-up cluster-down
+
+install:
+	scripts/install-python.sh
+
+install-test:
+	scripts/install-python.sh test
+
+install-system:
+	scripts/install-system.sh
+
+run: install
+	$(GYRE) run $(CONFIG)
+
+# The whole suite, Slurm included. GYRE_REQUIRE_SLURM turns "cluster not up" skips into
+# failures so CI can never pass by skipping the Slurm tests.
+test: install-system install-test
+	$(GYRE) cluster up --nodes $(NODES)
+	GYRE_REQUIRE_SLURM=1 GYRE_REQUIRE_MPI=1 $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS); rc=$$?; \
+	  $(GYRE) cluster down; exit $$rc
+
+# The quick local loop: no Slurm, no slow tests.
+quicktest: install-test
+	$(VENV)/bin/python -m pytest -m "not slurm and not slow" -q $(PYTEST_ARGS)

@@ -1,0 +1,1 @@
+"""The fleet: controller, cells, roles, communicators, engines' and trainers' processes."""

@@ -1,0 +1,213 @@
+"""The one typed run configuration: a YAML file plus ``--set key=value`` overrides.
+
+Why pydantic: it gives unknown-key and wrong-type errors that name the field, and
+``Literal`` fields list the valid choices, so a malformed config fails before any
+process or Slurm job starts. The schema stays in one file so a user reads every knob in
+one place; each section is its own small model so one part can grow without touching
+the others.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field (and the valid choices)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CellPlan(_Section):
+    """How the fleet is carved into cells. Cell 0..count-1; one is the core cell."""
+
+    count: int = Field(3, ge=1, description="number of cells, core included")
+    ranks_per_cell: int = Field(1, ge=1)
+    core: int = Field(0, ge=0, description="index of the core cell (always trains)")
+    rollout_only: list[int] = Field(default_factory=list, description="cells that never train")
+    nodes_per_cell: int = Field(1, ge=1, description="Slurm nodes per cell (het component shape)")
+    cpus_per_rank: int = Field(1, ge=1)
+    mem_per_cell_mb: int = Field(0, ge=0, description="0 = Slurm default")
+    initial_train: list[int] | None = Field(
+        None, description="cells (besides core) that start in TRAIN; default: none")
+
+    @model_validator(mode="after")
+    def _plan_is_possible(self) -> "CellPlan":
+        if self.core >= self.count:
+            raise ValueError(f"cells.core={self.core} is not a cell: valid cell indices are 0..{self.count - 1}")
+        for name, idxs in (("rollout_only", self.rollout_only), ("initial_train", self.initial_train or [])):
+            bad = [i for i in idxs if not 0 <= i < self.count]
+            if bad:
+                raise ValueError(f"cells.{name} has {bad}: valid cell indices are 0..{self.count - 1}")
+        if self.core in self.rollout_only:
+            raise ValueError(f"cells.rollout_only contains the core cell {self.core}: the core cell always trains")
+        return self
+
+
+class SchedulerConfig(_Section):
+    policy: Literal["elastic", "colocate", "async", "scripted"] = "elastic"
+    # async: how many cells train (core included) in the fixed split.
+    async_train_cells: int = Field(1, ge=1)
+    max_staleness: int = Field(1, ge=0, description="policy versions a rollout may lag the trainer")
+    # scripted: flip every elastic cell each step (the substrate smoke test).
+    interval_s: float = Field(0.5, gt=0, description="how often the controller re-evaluates the policy")
+
+
+class ModelConfig(_Section):
+    preset: str = Field("tiny", description="built-in tiny preset name, ignored when path is set")
+    path: str | None = Field(None, description="HF-format checkpoint directory to start from")
+    substrate_state_mb: float = Field(
+        0.0, ge=0, description="substrate smoke: extra state dict ballast (MB) moved on each flip")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(4, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    micro_batch_tokens: int = Field(4096, ge=16)
+    row_tokens: int = Field(2048, ge=16)
+    clip_eps: float = Field(0.2, gt=0)
+    max_paths_per_run: int = Field(8, ge=1)
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    checkpoint_every: int = Field(1, ge=1)
+
+
+class RolloutConfig(_Section):
+    tasks: str = Field("builtin", description="task suite name")
+    runs_per_task: int = Field(4, ge=1, description="G: runs per task (the advantage group)")
+    tasks_per_step: int = Field(2, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    context_limit: int = Field(1024, ge=64, description="compress the context past this many tokens")
+    run_timeout_s: float = Field(120.0, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    engine: Literal["torch", "vllm"] = "torch"
+
+
+class SlurmConfig(_Section):
+    partition: str | None = None
+    account: str | None = None
+    time_min: int = Field(60, ge=1, description="job time limit in minutes")
+    signal_s: int = Field(120, ge=1, description="USR2 this many seconds before the time limit")
+    head_cpus: int = Field(1, ge=1)
+    mpi: str = Field("pmix", description="srun --mpi plugin")
+    extra_args: list[str] = Field(default_factory=list, description="extra #SBATCH/srun arguments")
+
+
+class SuperviseConfig(_Section):
+    max_relaunches: int = Field(3, ge=0, description="relaunches of a killed fleet step before failing")
+    poll_s: float = Field(0.5, gt=0)
+
+
+class RunConfig(_Section):
+    name: str = "gyre"
+    run_dir: str = "runs/gyre"
+    launcher: Literal["local", "slurm"] = "local"
+    seed: int = 0
+    cells: CellPlan = Field(default_factory=CellPlan)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)
+
+    @model_validator(mode="after")
+    def _policy_fits_plan(self) -> "RunConfig":
+        if self.scheduler.policy == "async" and self.scheduler.async_train_cells > self.cells.count - 1 and self.cells.count > 1:
+            raise ValueError(
+                f"scheduler.async_train_cells={self.scheduler.async_train_cells} leaves no rollout cell "
+                f"among cells.count={self.cells.count}")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def validate_against_nodes(self, n_nodes: int) -> None:
+        """Slurm plans need one node per cell at least; checked once the allocation is known."""
+        need = self.cells.count * self.cells.nodes_per_cell
+        if need > n_nodes:
+            raise ConfigError(
+                f"cells.count={self.cells.count} x cells.nodes_per_cell={self.cells.nodes_per_cell} "
+                f"needs {need} nodes, the cluster has {n_nodes}")
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(RunConfig, e["loc"][:-1])
+            valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            msg = f"unknown key; valid keys here: {valid}"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"  {field}: {msg}")
+    return "\n".join(lines)
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (['a','b'], value), the value parsed as YAML so 3, true, [1,2] keep their types."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value, e.g. --set cells.count=4")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
+    return key.strip().split("."), value
+
+
+def build_config(data: dict[str, Any] | None = None, overrides: list[str] = (), source: str = "<dict>") -> RunConfig:
+    data = dict(data or {})
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {'.'.join(path)}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config; a missing or malformed file is reported by name."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    return build_config(data, overrides, source)

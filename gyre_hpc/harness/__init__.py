@@ -1,0 +1,1 @@
+"""The agent harness: multi-turn loop, tools, confinement, journals, tasks, tokenizer."""

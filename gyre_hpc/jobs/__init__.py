@@ -1,0 +1,1 @@
+"""The head job: launchers (local mpiexec, Slurm), the supervisor, the local Slurm cluster."""

@@ -1,0 +1,1 @@
+"""The run directory: its layout and the metrics file that every part writes to."""

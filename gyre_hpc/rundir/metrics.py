@@ -1,0 +1,160 @@
+"""``metrics.h5``: the cell timeline, per-step figures and engine figures of a run.
+
+HDF5 in SWMR mode so a notebook can read a live run. SWMR forbids creating datasets once
+the writer is in SWMR mode, so every table is created up front with a fixed schema; rows
+are appended by resizing. Exactly one process writes at a time: the supervisor between
+fleet launches, the controller rank while the fleet runs (the file is closed in between).
+The simulator writes the same schema, so analysis code cannot tell the two apart.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import h5py
+import numpy as np
+
+SCHEMA_VERSION = 1
+# Fixed-width byte strings, not variable-length ones: HDF5 keeps vlen strings in a global
+# heap that SWMR readers cannot follow (reads fail with "address past end of allocation").
+_STR = "S32"
+_TEXT = "S160"
+
+# table -> ordered (column, dtype). Roles: ROLLOUT, TRAIN, SWITCH, IDLE, DOWN.
+TABLES: dict[str, list[tuple[str, Any]]] = {
+    # One row per event on a cell: role changes (start/end of a flip), launches, relaunches.
+    "timeline": [
+        ("time", "f8"), ("cell", "i4"), ("role", _STR), ("event", _STR), ("step", "i4"),
+        ("duration_s", "f8"), ("bytes", "i8"), ("detail", _TEXT),
+    ],
+    "steps": [
+        ("step", "i4"), ("time", "f8"), ("wall_s", "f8"), ("tokens", "i8"), ("replicas", "i4"),
+        ("loss", "f8"), ("reward_mean", "f8"), ("policy_version", "i4"),
+    ],
+    "engines": [
+        ("time", "f8"), ("cell", "i4"), ("tokens_per_s", "f8"), ("queued", "i4"),
+        ("inflight", "i4"), ("tokens_inflight", "i8"),
+    ],
+    # Supervisor and job-level events: launch, relaunch, requeue, resume, finish.
+    "events": [("time", "f8"), ("event", _STR), ("step", "i4"), ("detail", _TEXT)],
+}
+
+
+@dataclass
+class TimelineRow:
+    time: float
+    cell: int
+    role: str
+    event: str
+    step: int = -1
+    duration_s: float = 0.0
+    bytes: int = 0
+    detail: str = ""
+
+
+@dataclass
+class StepRow:
+    step: int
+    time: float
+    wall_s: float
+    tokens: int = 0
+    replicas: int = 0
+    loss: float = float("nan")
+    reward_mean: float = float("nan")
+    policy_version: int = 0
+
+
+@dataclass
+class EngineRow:
+    time: float
+    cell: int
+    tokens_per_s: float
+    queued: int = 0
+    inflight: int = 0
+    tokens_inflight: int = 0
+
+
+@dataclass
+class EventRow:
+    time: float
+    event: str
+    step: int = -1
+    detail: str = ""
+
+
+_ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", EventRow: "events"}
+
+
+class MetricsWriter:
+    """Single writer of ``metrics.h5``; appends rows and flushes so SWMR readers see them."""
+
+    def __init__(self, path: str | Path, attrs: dict[str, Any] | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = h5py.File(self.path, "a", libver="latest")
+        for table, cols in TABLES.items():
+            grp = self._f.require_group(table)
+            for col, dtype in cols:
+                if col not in grp:
+                    grp.create_dataset(col, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+        self._f.attrs["schema_version"] = SCHEMA_VERSION
+        for k, v in (attrs or {}).items():
+            self._f.attrs[k] = v
+        self._f.swmr_mode = True
+
+    def append(self, rows: Iterable[TimelineRow | StepRow | EngineRow | EventRow]) -> None:
+        by_table: dict[str, list] = {}
+        for row in rows:
+            by_table.setdefault(_ROW_TABLE[type(row)], []).append(row)
+        for table, items in by_table.items():
+            grp = self._f[table]
+            n = grp[TABLES[table][0][0]].shape[0]
+            for col, _ in TABLES[table]:
+                ds = grp[col]
+                ds.resize((n + len(items),))
+                values = [getattr(r, col) for r in items]
+                if ds.dtype.kind == "S":
+                    width = ds.dtype.itemsize
+                    values = [str(v).encode()[:width] for v in values]
+                ds[n:] = values
+                ds.flush()
+
+    def add(self, row: TimelineRow | StepRow | EngineRow | EventRow) -> None:
+        self.append([row])
+
+    def event(self, event: str, step: int = -1, detail: str = "") -> None:
+        self.add(EventRow(time=time.time(), event=event, step=step, detail=detail))
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_table(path: str | Path, table: str) -> dict[str, np.ndarray]:
+    """Read one table as columns; works on a live file (SWMR) and on a closed one."""
+    if table not in TABLES:
+        raise KeyError(f"unknown metrics table {table!r}; valid: {', '.join(TABLES)}")
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
+        grp = f[table]
+        out = {}
+        for col, dtype in TABLES[table]:
+            ds = grp[col]
+            ds.refresh()
+            data = ds[()]
+            if data.dtype.kind == "S":
+                data = np.array([x.decode(errors="replace") for x in data], dtype=object)
+            out[col] = data
+        return out
+
+
+def row_fields(row_type: type) -> list[str]:
+    return [f.name for f in fields(row_type)]

@@ -1,0 +1,1 @@
+"""Scheduler policies: pure functions from observed state to role changes."""

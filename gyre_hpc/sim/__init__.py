@@ -1,0 +1,1 @@
+"""Discrete-event simulator of a cluster of cells, running the same scheduler policies."""

@@ -1,0 +1,1 @@
+"""Trajectory trees: build, admit, pack, train with tree masking, store in Zarr."""

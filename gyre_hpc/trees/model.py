@@ -1,0 +1,80 @@
+"""The data model shared by the builder, admission, packing, loss and the Zarr store.
+
+A ``Tree`` is a prefix-shared trie of one agent run's model calls, flattened depth-first:
+node i's tokens are ``tokens[node_start[i]:node_start[i]+node_len[i]]`` and
+``parent[i] < i`` (-1 for the root), so a subtree is a contiguous token interval. That
+layout is what makes the attention rule "a token sees its ancestors and itself" an
+interval test, and what lets the store append a tree as flat 1-D arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROLES = ("main", "subagent", "summary")
+ROLE_CODE = {r: i for i, r in enumerate(ROLES)}
+STATUSES = ("finished", "timeout", "failed")
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One model call as the harness journal records it.
+
+    ``prompt`` is the exact token context the model was conditioned on (tool outputs and
+    environment text included), ``output`` the tokens it sampled and ``logprobs`` their
+    behaviour log-probabilities under the policy that sampled them.
+    """
+
+    prompt: np.ndarray
+    output: np.ndarray
+    logprobs: np.ndarray
+    role: str = "main"
+    agent: str = "main"
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", np.asarray(self.prompt, dtype=np.int32).reshape(-1))
+        object.__setattr__(self, "output", np.asarray(self.output, dtype=np.int32).reshape(-1))
+        object.__setattr__(self, "logprobs", np.asarray(self.logprobs, dtype=np.float32).reshape(-1))
+        if self.role not in ROLE_CODE:
+            raise ValueError(f"ModelCall.role={self.role!r}: valid roles are {', '.join(ROLES)}")
+        if self.logprobs.shape != self.output.shape:
+            raise ValueError(
+                f"ModelCall.logprobs has {self.logprobs.size} values for {self.output.size} output tokens")
+
+
+@dataclass
+class Tree:
+    """One run as a prefix-shared token tree (see module docstring for the layout)."""
+
+    tokens: np.ndarray          # int32 [T]
+    logprobs: np.ndarray        # float32 [T], behaviour logprob where trained, 0 elsewhere
+    trained: np.ndarray         # bool [T], True exactly once per policy-sampled token
+    node_start: np.ndarray      # int64 [N]
+    node_len: np.ndarray        # int32 [N]
+    parent: np.ndarray          # int32 [N], -1 for roots
+    node_role: np.ndarray       # int8 [N], ROLE_CODE of the call that first created the node
+    call_node: np.ndarray       # int32 [C], node at whose end call c's prompt+output path ends
+    call_role: np.ndarray       # int8 [C]
+    call_agent: list[str]       # [C]
+    run_id: str = ""
+    task_id: str = ""
+    reward: float = 0.0
+    status: str = "finished"
+    policy_version: int = 0
+    wall_s: float = 0.0
+    # Calls that admission left out (indices into the original journal), never silently dropped.
+    dropped_calls: list[int] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.node_start.size)
+
+    @property
+    def n_paths(self) -> int:
+        return int(self.call_node.size)

@@ -1,0 +1,72 @@
+import pytest
+
+from gyre_hpc.config import ConfigError, build_config, load_config
+
+
+def test_defaults_validate():
+    cfg = build_config()
+    assert cfg.cells.count == 3 and cfg.cells.core == 0
+
+
+def test_unknown_key_names_field_and_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        build_config({"cells": {"cuont": 3}})
+    msg = str(e.value)
+    assert "cells.cuont" in msg and "count" in msg and "ranks_per_cell" in msg
+
+
+def test_wrong_type_names_field():
+    with pytest.raises(ConfigError, match=r"cells\.count"):
+        build_config({"cells": {"count": "many"}})
+
+
+def test_bad_choice_lists_valid_choices():
+    with pytest.raises(ConfigError) as e:
+        build_config({"scheduler": {"policy": "greedy"}})
+    assert "scheduler.policy" in str(e.value) and "colocate" in str(e.value)
+
+
+def test_core_outside_plan_rejected():
+    with pytest.raises(ConfigError, match=r"cells\.core=5"):
+        build_config({"cells": {"count": 3, "core": 5}})
+
+
+def test_core_cannot_be_rollout_only():
+    with pytest.raises(ConfigError, match="core cell"):
+        build_config({"cells": {"count": 3, "core": 0, "rollout_only": [0]}})
+
+
+def test_more_cells_than_nodes_rejected():
+    cfg = build_config({"cells": {"count": 5}})
+    with pytest.raises(ConfigError, match="needs 5 nodes, the cluster has 4"):
+        cfg.validate_against_nodes(4)
+
+
+def test_overrides_keep_yaml_types(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("cells:\n  count: 2\n")
+    cfg = load_config(p, ["cells.count=4", "cells.rollout_only=[2,3]", "train.lr=0.01"])
+    assert cfg.cells.count == 4 and cfg.cells.rollout_only == [2, 3] and cfg.train.lr == 0.01
+
+
+def test_malformed_yaml_names_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("cells: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(p)
+
+
+def test_missing_file_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="key=value"):
+        build_config(overrides=["cells.count"])
+
+
+def test_roundtrip_yaml():
+    cfg = build_config({"cells": {"count": 4}})
+    import yaml
+    assert build_config(yaml.safe_load(cfg.to_yaml())) == cfg

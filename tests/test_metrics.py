@@ -1,0 +1,35 @@
+import subprocess
+import sys
+import textwrap
+
+from gyre_hpc.rundir.metrics import MetricsWriter, StepRow, TimelineRow, read_table
+
+
+def test_rows_survive_reopen(tmp_path):
+    p = tmp_path / "metrics.h5"
+    with MetricsWriter(p) as w:
+        w.add(TimelineRow(time=1.0, cell=2, role="TRAIN", event="flip_end", step=3, duration_s=0.5, bytes=10))
+    with MetricsWriter(p) as w:
+        w.add(StepRow(step=3, time=2.0, wall_s=1.5, tokens=100))
+        w.event("relaunch", step=3, detail="fleet step killed")
+    tl = read_table(p, "timeline")
+    assert list(tl["cell"]) == [2] and list(tl["event"]) == ["flip_end"] and tl["bytes"][0] == 10
+    assert read_table(p, "steps")["tokens"][0] == 100
+    assert list(read_table(p, "events")["event"]) == ["relaunch"]
+
+
+def test_live_reader_sees_rows_while_writer_open(tmp_path):
+    """SWMR: a notebook in another process reads a run that is still writing."""
+    p = tmp_path / "metrics.h5"
+    w = MetricsWriter(p)
+    w.add(TimelineRow(time=1.0, cell=0, role="TRAIN", event="start"))
+    code = textwrap.dedent(f"""
+        from gyre_hpc.rundir.metrics import read_table
+        print(len(read_table({str(p)!r}, "timeline")["time"]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+    w.add(TimelineRow(time=2.0, cell=1, role="ROLLOUT", event="start"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "2"
+    w.close()
