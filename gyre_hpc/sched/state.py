@@ -1,0 +1,70 @@
+"""What a scheduler policy sees and what it may decide.
+
+Policies are pure functions ``ClusterState -> list[RoleChange]`` so the runtime controller
+and the simulator call the very same code: each builds a ``ClusterState`` from what it
+observed (real counters or simulated ones) and applies the changes it gets back.
+New observations are added as fields with defaults so existing callers keep working.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+
+class Role(str, Enum):
+    ROLLOUT = "ROLLOUT"
+    TRAIN = "TRAIN"
+
+
+class CellKind(str, Enum):
+    CORE = "core"              # always TRAIN, holds the authoritative weights
+    ELASTIC = "elastic"        # may flip between ROLLOUT and TRAIN
+    ROLLOUT_ONLY = "rollout"   # never trains
+
+
+@dataclass(frozen=True)
+class CellState:
+    cell: int
+    kind: CellKind
+    role: Role
+    switching: bool = False           # a flip is in progress; the policy must not flip it again
+    inflight_requests: int = 0        # requests being decoded on this cell's engine
+    inflight_tokens: int = 0          # KV tokens held by those requests
+    rollout_tokens_per_s: float = 0.0  # measured decode throughput as an engine
+    train_tokens_per_s: float = 0.0    # measured training throughput as a replica
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    time: float
+    step: int
+    cells: tuple[CellState, ...]
+    unfinished_runs: int = 0          # harness runs of the current rollout batch not yet done
+    queued_requests: int = 0          # model calls waiting for an engine
+    inflight_requests: int = 0
+    tokens_inflight: int = 0
+    train_backlog_tokens: int = 0     # trajectory tokens stored but not yet trained
+    policy_version: int = 0           # trainer's newest weights
+    oldest_rollout_version: int = 0   # policy version of the oldest unfinished run
+    rollout_to_train_s: float = 8.5   # measured (or configured) switch costs
+    train_to_rollout_s: float = 3.5
+
+    def cell(self, idx: int) -> CellState:
+        for c in self.cells:
+            if c.cell == idx:
+                return c
+        raise KeyError(f"no cell {idx}; cells are {[c.cell for c in self.cells]}")
+
+    def in_role(self, role: Role) -> list[CellState]:
+        return [c for c in self.cells if c.role is role]
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    cell: int
+    to: Role
+    reason: str = ""
+
+
+Policy = Callable[[ClusterState], list[RoleChange]]
