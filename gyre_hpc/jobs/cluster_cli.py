@@ -33,7 +33,7 @@ def up(nodes: int, cpus_per_node: int, wait_s: float, state_dir: Path | None) ->
         click.echo(f"cluster up: {exc}", err=True)
         sys.exit(1)
     verb = "started" if result.started else "already running"
-    click.echo(f"cluster {verb}: {len(result.nodes)} nodes idle ({spec.state_dir})")
+    click.echo(f"cluster {verb}: {len(result.nodes)} nodes up ({spec.state_dir})")
     _print_nodes(result.nodes)
 
 
