@@ -1,0 +1,19 @@
+"""When a rollout batch may start: the one rule that bounds off-policy lag.
+
+Batch ``s`` is generated with the newest weights at its start and trained into version
+``s + 1``. Starting it while the trainer's newest version is ``v`` means its data is
+``s - v`` versions stale when it is trained. On-policy schedules (elastic, colocate) use a
+bound of 0, so batch ``s`` waits until training of ``s - 1`` has produced version ``s``.
+"""
+from __future__ import annotations
+
+
+def may_start_rollout(batch_step: int, policy_version: int, max_staleness: int) -> bool:
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+    return batch_step - policy_version <= max_staleness
+
+
+def staleness_bound(policy: object) -> int:
+    """A policy's bound; a policy that does not declare one is on-policy (0)."""
+    return int(getattr(policy, "max_staleness", 0))
