@@ -1,0 +1,183 @@
+"""Confinement for model-written commands and the path guard for the file tools.
+
+Two mechanisms, because they guard different doors:
+- commands run through ``sandbox_exec.py`` (namespaces, read-only mounts, an unprivileged
+  uid, rlimits; see that module for the sequence and why each step is there), in their own
+  session/process group, with a scrubbed environment and a wall-clock timeout that kills
+  the whole group; output is capped;
+- the file tools (read/write/list) run in the harness process itself, so they resolve
+  every path with ``realpath`` and refuse anything that leaves the workspace (``..``,
+  absolute paths, symlinks pointing out).
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+SANDBOX_EXEC = Path(__file__).with_name("sandbox_exec.py")
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Root mode drops to a uid in this range, one per workspace, so concurrent runs each get
+# their own RLIMIT_NPROC budget (it is counted per real uid, machine-wide).
+SANDBOX_UID_BASE = 200_000
+SANDBOX_UID_SPAN = 100_000
+
+
+class WorkspaceEscape(PermissionError):
+    """A file-tool path that resolves outside the workspace."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 10.0
+    cpu_s: int = 10
+    address_space_mb: int = 1024
+    file_size_mb: int = 8
+    nproc: int = 64
+    nofile: int = 256
+    output_bytes: int = 4096       # what the caller gets back
+    drain_bytes: int = 1 << 20     # read (and drop) this much more before stopping a flood
+
+    def __post_init__(self) -> None:
+        for name in ("wall_s", "cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile", "output_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Limits.{name}={getattr(self, name)} must be > 0")
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int | None      # None when the command was killed (timeout or output flood)
+    output: bytes               # stdout+stderr interleaved, at most Limits.output_bytes
+    timed_out: bool
+    truncated: bool
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def describe(self) -> str:
+        """How a tool result shows the command's fate to the model."""
+        text = self.output.decode("utf-8", errors="replace")
+        if self.truncated:
+            text += "\n[output truncated]"
+        if self.timed_out:
+            return text + "\n[killed: wall-clock timeout]"
+        return text + ("" if self.returncode is None else f"\n[exit {self.returncode}]")
+
+
+def isolation_mode() -> str:
+    """``root`` (namespaces + unprivileged uid) when we can drop privileges, else ``plain``."""
+    return "root" if os.geteuid() == 0 else "plain"
+
+
+def sandbox_uid(workspace: Path) -> int:
+    return SANDBOX_UID_BASE + zlib.crc32(str(Path(workspace).resolve()).encode()) % SANDBOX_UID_SPAN
+
+
+def sandbox_env(home: str) -> dict[str, str]:
+    """The whole environment a command sees; nothing is inherited from the harness."""
+    return {"PATH": SANDBOX_PATH, "HOME": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
+                 stdin: bytes | None = None) -> CommandResult:
+    """Run ``sh -c command`` confined to ``workspace``; always returns, never raises for the command's sake."""
+    ws = Path(workspace).resolve()
+    if not ws.is_dir():
+        raise FileNotFoundError(f"workspace {ws} is not a directory")
+    mode = isolation_mode()
+    home = "/tmp/workspace" if mode == "root" else str(ws)
+    spec = {"mode": mode, "workspace": str(ws), "command": command, "env": sandbox_env(home),
+            "uid": sandbox_uid(ws),
+            "limits": {k: getattr(limits, k) for k in ("cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile")}}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", str(SANDBOX_EXEC), json.dumps(spec)],
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        env={"PATH": SANDBOX_PATH}, cwd=str(ws), close_fds=True)
+    if stdin is not None:
+        threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
+    output, truncated, killed = _collect(proc, start + limits.wall_s, limits)
+    timed_out = killed == "timeout"
+    rc = None if killed else proc.returncode
+    return CommandResult(rc, output, timed_out, truncated, time.monotonic() - start)
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _collect(proc: subprocess.Popen, deadline: float, limits: Limits) -> tuple[bytes, bool, str | None]:
+    """Read output until exit, the deadline or a flood; kill the group on the latter two."""
+    kept = bytearray()
+    seen = 0
+    killed: str | None = None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    fd = proc.stdout.fileno()
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                killed = "timeout"
+                _kill_group(proc)
+                break
+            if not sel.select(timeout=min(remaining, 0.5)):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            seen += len(chunk)
+            if len(kept) < limits.output_bytes:
+                kept += chunk[: limits.output_bytes - len(kept)]
+            if seen > limits.output_bytes + limits.drain_bytes:
+                killed = "flood"
+                _kill_group(proc)
+                break
+    finally:
+        sel.close()
+    proc.wait()
+    # The group may outlive its leader (plain mode: a background child); nothing of it stays.
+    _kill_group(proc)
+    proc.stdout.close()
+    return bytes(kept), seen > limits.output_bytes, killed
+
+
+def resolve_in_workspace(workspace: str | Path, path: str) -> Path:
+    """The real path of ``path`` inside ``workspace``; raises WorkspaceEscape otherwise.
+
+    Resolution follows symlinks (``realpath``) before the check, so a link inside the
+    workspace that points out is refused, and so is ``..``. Commands run confined and
+    file tools run only between commands within a run, so the check cannot race a link swap.
+    """
+    ws = Path(workspace).resolve()
+    if not path or "\x00" in path:
+        raise WorkspaceEscape(f"path {path!r} is empty or holds a NUL byte")
+    if os.path.isabs(path):
+        raise WorkspaceEscape(f"path {path!r} is absolute: paths are relative to the workspace")
+    real = Path(os.path.realpath(ws / path))
+    if real != ws and ws not in real.parents:
+        raise WorkspaceEscape(f"path {path!r} resolves to {real}, outside the workspace")
+    return real

@@ -1,0 +1,168 @@
+"""Escape attempts against the real confinement: real processes, real files, real limits."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre_hpc.harness.confine import (Limits, WorkspaceEscape, isolation_mode, resolve_in_workspace,
+                                      run_confined, sandbox_uid)
+from gyre_hpc.harness.tools import ToolError, Workspace
+
+needs_root = pytest.mark.skipif(isolation_mode() != "root",
+                                reason="jail mode needs root (namespaces + uid drop); plain mode documented")
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    d = tmp_path / "ws"
+    d.mkdir()
+    (d / "hello.txt").write_text("hi\n")
+    return d
+
+
+def _procs_of_uid(uid: int, settle_s: float = 3.0) -> list[int]:
+    """Live processes of ``uid``, after letting a killed PID namespace finish tearing down."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        pids = _scan_uid(uid)
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
+
+
+def _scan_uid(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                st = Path(f"/proc/{entry}/stat").read_text()
+                if os.stat(f"/proc/{entry}").st_uid == uid and st.rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return pids
+
+
+def test_command_runs_in_workspace_and_sees_its_files(ws):
+    r = run_confined("cat hello.txt && echo made > new.txt", ws)
+    assert r.ok and r.output == b"hi\n"
+    assert (ws / "new.txt").read_text() == "made\n"
+
+
+@needs_root
+def test_command_write_through_dotdot_is_refused(ws):
+    r = run_confined("echo pwned > ../escaped.txt", ws)
+    assert not r.ok
+    assert b"Read-only file system" in r.output
+    assert not (ws.parent / "escaped.txt").exists()
+
+
+@needs_root
+def test_command_write_through_symlink_is_refused(ws):
+    # A world-writable directory outside /tmp, so only the jail (not Unix permissions, not
+    # the /tmp overlay) stands between the command and the write.
+    outside = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-escape-"))
+    try:
+        outside.chmod(0o777)
+        os.symlink(outside, ws / "door")
+        os.symlink("..", ws / "up")
+        r = run_confined("echo pwned > door/escaped.txt; echo pwned > up/escaped.txt; "
+                         "echo pwned > /var/tmp/escaped-gyre.txt", ws)
+        assert list(outside.iterdir()) == []
+        assert not (ws.parent / "escaped.txt").exists()
+        assert not Path("/var/tmp/escaped-gyre.txt").exists()
+        assert r.output.count(b"Read-only file system") == 3
+    finally:
+        shutil.rmtree(outside)
+
+
+@needs_root
+def test_command_runs_as_unprivileged_uid_without_network(ws):
+    r = run_confined("id -u; cat /proc/net/dev | wc -l", ws)
+    uid, dev_lines = r.output.split()
+    assert int(uid) == sandbox_uid(ws) != 0
+    assert int(dev_lines) == 3  # two header lines + loopback only: a fresh network namespace
+
+
+def test_file_tools_refuse_dotdot_absolute_and_symlink(ws):
+    outside = ws.parent / "secret.txt"
+    outside.write_text("secret")
+    os.symlink(outside, ws / "link")
+    tools = Workspace(ws)
+    for bad in ("../secret.txt", str(outside), "link", "sub/../../secret.txt"):
+        with pytest.raises(ToolError, match="outside the workspace|absolute"):
+            tools.read(bad)
+    with pytest.raises(ToolError):
+        tools.write("../pwned.txt", b"x")
+    with pytest.raises(ToolError):
+        tools.write("link", b"x")
+    assert outside.read_text() == "secret"
+    assert not (ws.parent / "pwned.txt").exists()
+    with pytest.raises(WorkspaceEscape):
+        resolve_in_workspace(ws, "..")
+    assert resolve_in_workspace(ws, "a/../hello.txt") == (ws / "hello.txt").resolve()
+
+
+def test_parent_environment_secret_is_not_visible(ws, monkeypatch):
+    monkeypatch.setenv("GYRE_TEST_SECRET", "hunter2-token")
+    r = run_confined("env; cat /proc/$PPID/environ 2>/dev/null; cat /proc/1/environ 2>/dev/null; true", ws)
+    assert r.ok
+    assert b"hunter2-token" not in r.output
+    assert b"GYRE_TEST_SECRET" not in r.output
+
+
+def test_never_returning_command_is_killed_with_its_children(ws):
+    limits = Limits(wall_s=1.0)
+    t0 = time.monotonic()
+    r = run_confined("sleep 300 & setsid sleep 301 & sleep 302", ws, limits)
+    assert r.timed_out and r.returncode is None
+    assert time.monotonic() - t0 < 5
+    if isolation_mode() == "root":
+        assert _procs_of_uid(sandbox_uid(ws)) == []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            assert b"sleep\x00300" not in cmd and b"sleep\x00302" not in cmd
+            if isolation_mode() == "root":
+                assert b"sleep\x00301" not in cmd
+
+
+@needs_root
+def test_fork_bomb_is_bounded_and_cleaned_up(ws):
+    limits = Limits(wall_s=3.0, nproc=32, cpu_s=5)
+    t0 = time.monotonic()
+    r = run_confined("bomb() { bomb | bomb & }; bomb; sleep 60", ws, limits)
+    assert time.monotonic() - t0 < 10
+    assert r.timed_out or not r.ok
+    assert _procs_of_uid(sandbox_uid(ws)) == []
+    # the machine still forks normally afterwards
+    assert run_confined("echo alive", ws).output == b"alive\n"
+
+
+def test_huge_output_is_truncated_and_the_flood_stopped(ws):
+    limits = Limits(wall_s=10.0, output_bytes=1000, drain_bytes=100_000)
+    t0 = time.monotonic()
+    r = run_confined("yes gyre", ws, limits)
+    assert len(r.output) == 1000 and r.truncated
+    assert r.output.startswith(b"gyre\ngyre\n")
+    assert not r.timed_out and r.returncode is None  # stopped as a flood, well before the wall clock
+    assert time.monotonic() - t0 < 5
+
+
+def test_huge_file_is_cut_at_the_file_size_limit(ws):
+    r = run_confined("head -c 50000000 /dev/zero > big.bin", ws, Limits(file_size_mb=1))
+    assert not r.ok
+    assert (ws / "big.bin").stat().st_size <= 1024 * 1024
+
+
+def test_memory_hog_hits_address_space_limit(ws):
+    r = run_confined("python3 -c 'x = bytearray(2_000_000_000)'", ws, Limits(address_space_mb=256))
+    assert not r.ok and b"MemoryError" in r.output
