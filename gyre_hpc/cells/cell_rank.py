@@ -1,0 +1,144 @@
+"""One cell rank: execute the controller's commands in its current role.
+
+A rank holds full weights (the substrate cells are data-parallel inside, too) and the
+communicators of ``comms``. Roles change only at a Flip command, which every rank of the
+world handles at the same point, so the Splits and the weight broadcast line up.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mpi4py import MPI
+
+from gyre_hpc.cells import comms, gradsync, protocol, weights
+from gyre_hpc.cells.checkpoint import write_state
+from gyre_hpc.cells.plan import Cell, cell_of_rank, core_cell, with_roles
+from gyre_hpc.cells.workload import Workload
+from gyre_hpc.sched.state import Role
+
+
+@dataclass
+class CellRank:
+    world: MPI.Intracomm
+    cells: tuple[Cell, ...]
+    workload: Workload
+    rank_comms: comms.RankComms
+    chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
+    micro_batches_done: int = 0
+    tokens_done: int = 0
+    _stop: int | None = field(default=None, init=False)
+
+    @property
+    def rank(self) -> int:
+        return self.world.Get_rank()
+
+    @property
+    def cell(self) -> Cell:
+        return cell_of_rank(self.cells, self.rank)
+
+    def serve(self) -> int:
+        """Run commands until Stop; returns the exit code the controller chose."""
+        while self._stop is None:
+            cmd = protocol.wait_command(self.world)
+            reply = self.handle(cmd)
+            if reply is not None:
+                self.world.send(reply, dest=0, tag=protocol.TAG_REPLY)
+        return self._stop
+
+    def handle(self, cmd):
+        if isinstance(cmd, protocol.Flip):
+            return self.flip(cmd)
+        if isinstance(cmd, protocol.BeginStep) or isinstance(cmd, protocol.AbortStep):
+            self._reset_accumulation()
+            return protocol.Ack(self.rank)
+        if isinstance(cmd, protocol.Round):
+            return self.round(cmd)
+        if isinstance(cmd, protocol.EndStep):
+            return self.end_step(cmd)
+        if isinstance(cmd, protocol.SaveCheckpoint):
+            if self.rank == core_cell(self.cells).leader:
+                write_state(cmd.directory, self.workload.state_dict())
+            return protocol.Ack(self.rank)
+        if isinstance(cmd, protocol.Stop):
+            self._stop = cmd.code
+            return None
+        raise TypeError(f"cell rank {self.rank}: unknown command {type(cmd).__name__}")
+
+    def _reset_accumulation(self) -> None:
+        self.workload.zero_grads()
+        self.micro_batches_done = 0
+        self.tokens_done = 0
+
+    def flip(self, cmd: protocol.Flip) -> protocol.FlipReport:
+        t0 = time.perf_counter()
+        old = self.cells
+        new = with_roles(old, {c: Role(r) for c, r in cmd.changes})
+        joining = [c for c in new if c.role is Role.TRAIN and cell_of_rank(old, c.leader).role is not Role.TRAIN]
+        self.cells = new
+        self.rank_comms.rederive_train(new)
+        source = core_cell(new).leader
+        join_comm = comms.split_join_comm(self.world, source, [c.leader for c in joining])
+        received = 0
+        me_joining = any(c.id == self.cell.id for c in joining)
+        if join_comm is not None:
+            # Receive straight into the model's tensors: no second copy of the weights.
+            weights.bcast_state_dict(self.workload.state_dict() if self.rank == source else None,
+                                     join_comm, root=0,
+                                     into=None if self.rank == source else self.workload.state_dict(),
+                                     chunk_bytes=self.chunk_bytes)
+            comms.free(join_comm)
+            if self.rank != source:
+                received = weights.state_bytes(self.workload.state_dict())
+        if me_joining and self.rank_comms.cell.Get_size() > 1:
+            weights.bcast_state_dict(self.workload.state_dict() if self.rank == self.cell.leader else None,
+                                     self.rank_comms.cell, root=0,
+                                     into=None if self.rank == self.cell.leader else self.workload.state_dict(),
+                                     chunk_bytes=self.chunk_bytes)
+            if self.rank != self.cell.leader:
+                received = weights.state_bytes(self.workload.state_dict())
+        was_training = cell_of_rank(old, self.rank).role is Role.TRAIN
+        if was_training != (self.cell.role is Role.TRAIN):
+            # Joining or leaving mid-step: this rank's partial gradients are not part of the
+            # step any more (the controller hands its micro-batches to the remaining replicas).
+            self._reset_accumulation()
+        train = self.rank_comms.train
+        members = tuple(comms.world_ranks_of(train, self.world)) if train is not None else None
+        touched = any(c == self.cell.id for c, _ in cmd.changes) or self.rank == source
+        checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums and touched else None
+        return protocol.FlipReport(rank=self.rank, cell=self.cell.id, seconds=time.perf_counter() - t0,
+                                   bytes_in=received, train_members=members, checksum=checksum)
+
+    def round(self, cmd: protocol.Round) -> protocol.RoundReport:
+        t0 = time.perf_counter()
+        losses: dict[int, float] = {}
+        tokens = rollout_tokens = 0
+        if self.cell.role is Role.TRAIN:
+            for mb in cmd.assign.get(self.rank, ()):
+                res = self.workload.train_micro_batch(cmd.step, mb)
+                losses[mb] = res.loss
+                tokens += res.tokens
+            self.micro_batches_done += len(losses)
+            self.tokens_done += tokens
+        else:
+            rollout_tokens = self.workload.rollout(cmd.step, cmd.round)
+        return protocol.RoundReport(rank=self.rank, losses=losses, tokens=tokens,
+                                    rollout_tokens=rollout_tokens, seconds=time.perf_counter() - t0)
+
+    def end_step(self, cmd: protocol.EndStep) -> protocol.EndReport:
+        t0 = time.perf_counter()
+        if self.cell.role is Role.TRAIN:
+            grads = self.workload.grad_tensors()
+            n = self.micro_batches_done
+            if n:
+                for g in grads:
+                    g.div_(n)
+            stats = gradsync.allreduce_mean(grads, self.rank_comms.train, weight=float(n))
+            if int(round(stats.total_weight)) != cmd.micro_batches:
+                raise RuntimeError(f"step {cmd.step}: replicas trained {stats.total_weight:g} micro-batches, "
+                                   f"the controller planned {cmd.micro_batches}")
+            self.workload.apply_update(cmd.step)
+        self.micro_batches_done = 0
+        self.tokens_done = 0
+        checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums else None
+        return protocol.EndReport(rank=self.rank, seconds=time.perf_counter() - t0, checksum=checksum)

@@ -1,0 +1,130 @@
+"""Starting the fleet on every rank: resume, initial weight sync, then controller or cell loop.
+
+Why every uncaught exception ends in ``Abort``: a rank that dies while the others sit in a
+collective or wait for a command would leave them hanging until the job's time limit; the
+supervisor can only relaunch a fleet that has ended. Abort ends the whole world (under
+mpiexec and under srun) with a non-zero status.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+
+from gyre_hpc.cells import checkpoint, comms, weights
+from gyre_hpc.cells.cell_rank import CellRank
+from gyre_hpc.cells.controller import Controller, FleetResult
+from gyre_hpc.cells.plan import CONTROLLER_RANK, core_cell, plan_cells, world_size
+from gyre_hpc.cells.workload import SubstrateWorkload, Workload
+from gyre_hpc.config import ConfigError, RunConfig, load_config
+from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.metrics import MetricsWriter
+from gyre_hpc.sched.state import Policy, Role
+
+WorkloadFactory = Callable[[RunConfig, int], Workload]
+
+
+def substrate_workload(cfg: RunConfig, rank: int) -> Workload:
+    return SubstrateWorkload(cfg)
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    workload: WorkloadFactory = substrate_workload
+    policy: Policy | None = None            # None: the one cfg.scheduler names
+    verify_weights: bool = False            # report state checksums on flips and steps (tests)
+    chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
+
+
+def resolve_policy(cfg: RunConfig) -> Policy:
+    from gyre_hpc.sched.registry import policy_from_config
+    try:
+        return policy_from_config(cfg.scheduler)
+    except ValueError as exc:
+        raise ConfigError(f"scheduler.policy={cfg.scheduler.policy!r}: {exc}") from None
+
+
+def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
+              world: MPI.Intracomm = MPI.COMM_WORLD) -> FleetResult | int:
+    """Run this rank's part; the controller returns the FleetResult, cell ranks their exit code."""
+    torch.set_num_threads(int(os.environ.get("GYRE_TORCH_THREADS", "1")))
+    run = RunDir.at(run_dir)
+    cfg = load_config(run.config)
+    if world.Get_size() != world_size(cfg.cells):
+        raise ConfigError(
+            f"the MPI world has {world.Get_size()} ranks; cells.count={cfg.cells.count} x "
+            f"cells.ranks_per_cell={cfg.cells.ranks_per_cell} + 1 controller needs {world_size(cfg.cells)}")
+    latest = checkpoint.latest_dir(run.checkpoints)
+    meta = checkpoint.read_meta(latest) if latest is not None else None
+    roles = {int(c): Role(r) for c, r in meta.roles.items()} if meta else None
+    cells = plan_cells(cfg.cells, roles)
+    rank = world.Get_rank()
+
+    cell_comm = comms.split_cell_comm(world, cells)
+    cells_comm = comms.split_cells_comm(world, cells)
+    train_comm = comms.split_train_comm(world, cells)
+    if rank == CONTROLLER_RANK:
+        run.make()
+        policy = options.policy or resolve_policy(cfg)
+        with MetricsWriter(run.metrics) as metrics:
+            start = meta.step + 1 if meta else 1
+            metrics.event("fleet_resume" if meta else "fleet_start", step=start,
+                          detail=f"from {latest.name}" if latest else "fresh")
+            ctl = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
+                             start_step=start, policy_version=meta.policy_version if meta else 0,
+                             verify_weights=options.verify_weights)
+            if meta:
+                ctl._last_checkpointed = meta.step
+            result = ctl.serve()
+            metrics.event("fleet_exit", step=result.last_completed, detail=f"exit {result.exit_code}")
+        return result
+
+    workload = options.workload(cfg, rank)
+    core = core_cell(cells)
+    if latest is not None and rank == core.leader:
+        _load_into(workload.state_dict(), checkpoint.load_state(latest), latest)
+    # Every cell starts from the core's weights (fresh init or checkpoint): one broadcast.
+    weights.bcast_state_dict(workload.state_dict() if rank == core.leader else None, cells_comm, root=0,
+                             into=None if rank == core.leader else workload.state_dict(),
+                             chunk_bytes=options.chunk_bytes)
+    cell_rank = CellRank(world=world, cells=cells, workload=workload,
+                         rank_comms=comms.RankComms(world=world, cell=cell_comm, train=train_comm),
+                         chunk_bytes=options.chunk_bytes)
+    return cell_rank.serve()
+
+
+def _load_into(local: dict, stored: dict, where: Path) -> None:
+    missing = sorted(set(local) - set(stored))
+    extra = sorted(set(stored) - set(local))
+    if missing or extra:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {where}: tensors missing {missing}, unexpected {extra} for this model")
+    for name, t in local.items():
+        src = stored[name]
+        if src.shape != t.shape or src.dtype != t.dtype:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {where}: {name} is {src.dtype}{list(src.shape)}, the model has "
+                f"{t.dtype}{list(t.shape)}")
+        t.copy_(src)
+
+
+def main_guarded(run_dir: str | Path, options: FleetOptions = FleetOptions(),
+                 world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
+    """run_fleet, with any exception on any rank ending the whole world."""
+    try:
+        out = run_fleet(run_dir, options, world)
+    except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        sys.stderr.write(f"[fleet rank {world.Get_rank()}] fatal: {type(exc).__name__}: {exc}\n")
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        world.Abort(1)
+        raise
+    return out.exit_code if isinstance(out, FleetResult) else int(out)

@@ -1,0 +1,104 @@
+"""The command loop's messages: the controller sends commands, every cell rank replies.
+
+Small frozen dataclasses pickled over MPI point-to-point (they are tiny; bulk bytes move
+with buffer-based collectives in ``weights``/``gradsync``). Every cell rank gets every
+command and answers it, even when it has nothing to do, so the controller always knows
+the command was seen and the collectives that follow line up.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+TAG_COMMAND = 11
+TAG_REPLY = 12
+
+
+# ---- commands ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flip:
+    step: int
+    changes: tuple[tuple[int, str], ...]   # (cell, Role value)
+    checksums: bool = False                # joiners/leavers report a state checksum (tests)
+
+
+@dataclass(frozen=True)
+class BeginStep:
+    step: int
+
+
+@dataclass(frozen=True)
+class Round:
+    step: int
+    round: int
+    assign: dict[int, tuple[int, ...]]     # world rank -> micro-batch ids (TRAIN ranks only)
+
+
+@dataclass(frozen=True)
+class AbortStep:
+    step: int
+
+
+@dataclass(frozen=True)
+class EndStep:
+    step: int
+    micro_batches: int
+    checksums: bool = False
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    step: int
+    directory: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    code: int
+
+
+# ---- replies -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlipReport:
+    rank: int
+    cell: int
+    seconds: float
+    bytes_in: int
+    train_members: tuple[int, ...] | None   # world ranks of train_comm as this rank sees it
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    rank: int
+    losses: dict[int, float]                # micro-batch id -> loss
+    tokens: int
+    rollout_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EndReport:
+    rank: int
+    seconds: float
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class Ack:
+    rank: int
+
+
+def wait_command(world: MPI.Intracomm, source: int = 0):
+    """Block for the next command without spinning a core.
+
+    Why not a plain ``recv``: Open MPI busy-polls inside blocking calls, and an idle cell
+    rank (a rollout cell waiting for the step to end) would burn a whole core doing it.
+    """
+    pause = 0.0002
+    while not world.Iprobe(source=source, tag=TAG_COMMAND):
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+    return world.recv(source=source, tag=TAG_COMMAND)

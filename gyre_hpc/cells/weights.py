@@ -1,0 +1,175 @@
+"""Moving a torch state dict between ranks over MPI, in bounded chunks.
+
+Why chunks: a state dict can exceed 2 GB, past what one MPI message count (a C int) can
+describe in many MPI builds, and one giant message needs a second full-size staging copy.
+So the bytes of all tensors are treated as one stream cut into ``chunk_bytes`` pieces: a
+chunk that lies inside one tensor is broadcast straight from (into) that tensor's memory;
+only chunks spanning several small tensors go through a staging buffer. A small pickled
+header (names, dtypes, shapes) goes first so receivers can allocate, or check that the
+tensors they already hold match and receive in place.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str      # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``start:stop`` of tensor ``index`` inside one chunk."""
+
+    index: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes: int
+    chunks: int
+    seconds: float
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight header names dtype {name!r}, which this torch does not have")
+    return dtype
+
+
+def describe(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+            for name, t in state.items()]
+
+
+def plan_chunks(specs: list[TensorSpec], chunk_bytes: int) -> list[list[Piece]]:
+    """Cut the concatenated bytes of all tensors into chunks of at most ``chunk_bytes``."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be at least 1")
+    chunks: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = chunk_bytes
+    for i, spec in enumerate(specs):
+        pos = 0
+        while pos < spec.nbytes:
+            take = min(room, spec.nbytes - pos)
+            current.append(Piece(i, pos, pos + take))
+            pos += take
+            room -= take
+            if room == 0:
+                chunks.append(current)
+                current, room = [], chunk_bytes
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    """The tensor's own memory as flat uint8 (no copy); numpy has no bfloat16, uint8 is universal."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _as_sendable(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm, root: int = 0,
+                     into: dict[str, torch.Tensor] | None = None,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[dict[str, torch.Tensor], TransferStats]:
+    """Broadcast ``state`` from ``root`` to every rank of ``comm``; every rank gets the dict back.
+
+    Receivers may pass ``into``: tensors with the same names, dtypes and shapes (e.g. a
+    model's own ``state_dict()``), which are overwritten in place so no second copy of the
+    weights is allocated. A mismatch is an error naming the tensor, never a silent reshape.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    is_root = comm.Get_rank() == root
+    if is_root:
+        if state is None:
+            raise ValueError("bcast_state_dict: the root rank must pass the state dict")
+        tensors = [_as_sendable(t) for t in state.values()]
+        specs = describe(dict(zip(state.keys(), tensors)))
+        header = (specs, chunk_bytes)
+    else:
+        header = None
+    specs, chunk_bytes = comm.bcast(header, root=root)
+    if not is_root:
+        tensors = _receive_buffers(specs, into)
+    views = [_byte_view(t) for t in tensors]
+    chunks = plan_chunks(specs, chunk_bytes)
+    staging = np.empty(min(chunk_bytes, sum(s.nbytes for s in specs)) or 1, dtype=np.uint8)
+    for pieces in chunks:
+        if len(pieces) == 1:
+            p = pieces[0]
+            comm.Bcast([views[p.index][p.start:p.stop], MPI.BYTE], root=root)
+            continue
+        size = sum(p.stop - p.start for p in pieces)
+        buf = staging[:size]
+        if is_root:
+            pos = 0
+            for p in pieces:
+                buf[pos:pos + p.stop - p.start] = views[p.index][p.start:p.stop]
+                pos += p.stop - p.start
+        comm.Bcast([buf, MPI.BYTE], root=root)
+        if not is_root:
+            pos = 0
+            for p in pieces:
+                views[p.index][p.start:p.stop] = buf[pos:pos + p.stop - p.start]
+                pos += p.stop - p.start
+    out = dict(zip((s.name for s in specs), tensors))
+    total = sum(s.nbytes for s in specs)
+    return out, TransferStats(bytes=total, chunks=len(chunks), seconds=time.perf_counter() - t0)
+
+
+def _receive_buffers(specs: list[TensorSpec], into: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+    if into is None:
+        return [torch.empty(s.shape, dtype=dtype_from_name(s.dtype)) for s in specs]
+    missing = [s.name for s in specs if s.name not in into]
+    extra = [n for n in into if n not in {s.name for s in specs}]
+    if missing or extra:
+        raise ValueError(f"received state dict does not match the local one: missing locally {missing}, "
+                         f"not sent {extra}")
+    out = []
+    for s in specs:
+        t = into[s.name]
+        if dtype_name(t.dtype) != s.dtype or tuple(t.shape) != s.shape:
+            raise ValueError(f"tensor {s.name}: sender has {s.dtype}{list(s.shape)}, "
+                             f"receiver {dtype_name(t.dtype)}{list(t.shape)}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"tensor {s.name}: receiving in place needs a contiguous CPU tensor")
+        out.append(t.detach())
+    return out
+
+
+def state_checksum(state: dict[str, torch.Tensor]) -> str:
+    """CRC32 over names, dtypes, shapes and bytes: equal iff bit-for-bit equal (for tests and logs)."""
+    crc = 0
+    for name, t in state.items():
+        t = _as_sendable(t)
+        crc = zlib.crc32(f"{name}:{dtype_name(t.dtype)}:{tuple(t.shape)}".encode(), crc)
+        crc = zlib.crc32(memoryview(_byte_view(t)), crc)
+    return f"{crc:08x}"
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
