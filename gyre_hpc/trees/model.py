@@ -78,3 +78,17 @@ class Tree:
     @property
     def n_paths(self) -> int:
         return int(self.call_node.size)
+
+    def node_path(self, call: int) -> list[int]:
+        """Nodes from the root to the end of call ``call``'s prompt+output, root first."""
+        nodes = []
+        node = int(self.call_node[call])
+        while node >= 0:
+            nodes.append(node)
+            node = int(self.parent[node])
+        return nodes[::-1]
+
+    def path(self, call: int) -> np.ndarray:
+        """Exactly the tokens call ``call`` saw and produced: its prompt followed by its output."""
+        parts = [self.tokens[self.node_start[n]:self.node_start[n] + self.node_len[n]] for n in self.node_path(call)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)

@@ -1,0 +1,120 @@
+"""Tree attention for packed rows: "a token sees its ancestors and itself".
+
+In a depth-first row that rule is the interval test ``kv <= q < subtree_end[kv]``. Two
+kernels implement it behind one switch (``train.attention``):
+
+* ``flex``: ``torch.nn.attention.flex_attention`` with a BlockMask built from the
+  interval test; blocks of the mask that are all False are skipped entirely, so the cost
+  follows the tree, not T^2. The GPU path. (torch 2.13 on CPU runs its forward but its
+  backward raises NotImplementedError.)
+* ``sdpa``: ``scaled_dot_product_attention`` with a boolean mask built per block of
+  queries, so at most ``block x T`` mask entries exist at once, never T x T. Each block
+  runs under activation checkpointing so the backward pass rebuilds its mask instead of
+  keeping every block's mask alive (which would add up to T^2/2 again). The CPU path.
+* ``auto``: flex on CUDA, sdpa elsewhere.
+
+Both are ``attention_fn(q, k, v)`` objects for :class:`gyre_hpc.models.tiny_lm.TinyLM`,
+built once per batch and shared by every layer.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+Backend = Literal["auto", "sdpa", "flex"]
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+def resolve_backend(backend: str, device: torch.device | str, needs_grad: bool = True) -> str:
+    """``auto`` -> the kernel for this device; refuse flex training where torch cannot run it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"train.attention={backend!r}: valid backends are {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type != "cuda" and needs_grad:
+        raise ValueError(
+            "train.attention='flex' needs a CUDA device to train: torch's flex_attention has no CPU "
+            "backward; use 'sdpa' or 'auto' on CPU")
+    return backend
+
+
+def tree_mask_block(subtree_end: torch.Tensor, q_start: int, q_end: int) -> torch.Tensor:
+    """Bool mask [B, 1, q_end-q_start, q_end] for queries [q_start, q_end) over keys [0, q_end).
+
+    Keys at or past ``q_end`` are never visible to these queries (kv <= q), so they are
+    not part of the block at all.
+    """
+    q = torch.arange(q_start, q_end, device=subtree_end.device)[:, None]
+    kv = torch.arange(q_end, device=subtree_end.device)[None, :]
+    visible = (kv <= q) & (q < subtree_end[:, None, :q_end])
+    return visible[:, None]
+
+
+def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
+                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=tree_mask_block(subtree_end, q_start, q_end))
+
+
+class SdpaTreeAttention:
+    """Query-blocked SDPA with the interval mask; records the largest mask block it built."""
+
+    def __init__(self, subtree_end: torch.Tensor, block: int = 256, recompute_masks: bool = True):
+        if block < 1:
+            raise ValueError(f"SdpaTreeAttention block={block} must be >= 1")
+        self.subtree_end, self.block, self.recompute_masks = subtree_end, block, recompute_masks
+        self.largest_mask_block: tuple[int, ...] = ()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        L = q.shape[2]
+        if k.shape[2] != L:
+            raise ValueError(f"tree attention expects no KV cache: {L} queries, {k.shape[2]} keys")
+        outs = []
+        for qs in range(0, L, self.block):
+            qe = min(L, qs + self.block)
+            self.largest_mask_block = max(self.largest_mask_block, (self.subtree_end.shape[0], 1, qe - qs, qe),
+                                          key=lambda s: s[2] * s[3] if s else 0)
+            args = (self.subtree_end, qs, qe, q[:, :, qs:qe], k[:, :, :qe], v[:, :, :qe])
+            if self.recompute_masks and torch.is_grad_enabled():
+                outs.append(checkpoint(_attend_block, *args, use_reentrant=False))
+            else:
+                outs.append(_attend_block(*args))
+        return torch.cat(outs, dim=2)
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention is only fast compiled; compile once per process, on first GPU use."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class FlexTreeAttention:
+    """flex_attention with a BlockMask from the interval test, built once per batch."""
+
+    def __init__(self, subtree_end: torch.Tensor, compile: bool | None = None):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        self.subtree_end = subtree_end
+        B, L = subtree_end.shape
+
+        def tree_mask(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
+
+        self.block_mask = create_block_mask(tree_mask, B, None, L, L, device=subtree_end.device)
+        use_compiled = subtree_end.device.type == "cuda" if compile is None else compile
+        self._flex = _compiled_flex() if use_compiled else flex_attention
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._flex(q, k, v, block_mask=self.block_mask)
+
+
+def tree_attention(backend: str, subtree_end: torch.Tensor, needs_grad: bool = True, block: int = 256):
+    """The attention_fn for one packed batch, by ``train.attention`` name."""
+    name = resolve_backend(backend, subtree_end.device, needs_grad)
+    if name == "flex":
+        return FlexTreeAttention(subtree_end)
+    return SdpaTreeAttention(subtree_end, block=block)

@@ -1,0 +1,203 @@
+"""Pack trees depth-first into rows of a token budget, with what tree attention needs.
+
+Per token a row holds its input id, its position id (its depth along its own path), the
+row index of its path predecessor, and ``subtree_end``: one past the last row index of
+the subtree of the node it belongs to. Rows are in depth-first order, so "a token sees
+its ancestors and itself" is the interval test ``kv <= q < subtree_end[kv]``.
+
+Targets. In a tree a node's last token has one "next token" per child, so targets are
+not stored as a shifted copy of the inputs. Instead each trained token j names its path
+predecessor ``pred_index[j]``; the loss reads the logits at ``pred_index[j]`` and scores
+``input_ids[j]`` under them. That is exactly the causal-LM rule "the logits at position
+t predict token t+1", applied along each token's own path.
+
+Splitting. A tree longer than the room left in a row continues in the next row, which
+first repeats the continuing node's ancestors (and the part of the node already placed)
+as context: same tokens, same positions, no loss (``loss_mask`` False), so each trained
+token is scored once, in the row that owns it. A node may be cut anywhere: node
+boundaries are only where calls diverge, and cutting one into a chain changes nothing
+the model sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gyre_hpc.models.tiny_lm import PAD_ID
+from gyre_hpc.trees.builder import node_depth
+from gyre_hpc.trees.model import Tree
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """One row of packed tokens (all arrays [L], row-local indices)."""
+
+    input_ids: np.ndarray        # int64
+    position_ids: np.ndarray     # int64, depth along the token's own path
+    subtree_end: np.ndarray      # int64, kv is visible to q iff kv <= q < subtree_end[kv]
+    pred_index: np.ndarray       # int64, row index of the path predecessor, -1 for a path's first token
+    loss_mask: np.ndarray        # bool, trained and owned by this row
+    behaviour_logprobs: np.ndarray  # float32, meaningful where loss_mask
+    run_index: np.ndarray        # int64, index of the token's tree in the list given to pack()
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.input_ids.size)
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class _Span:
+    """A node's tokens [lo, hi) placed in a row at row offset base + lo."""
+
+    run: int
+    node: int
+    lo: int
+    hi: int
+    owned: bool
+
+
+class _RowBuilder:
+    def __init__(self, trees: Sequence[Tree], depths: list[np.ndarray]):
+        self.trees, self.depths = trees, depths
+        self.spans: list[_Span] = []
+        self.length = 0
+
+    def add(self, span: _Span) -> None:
+        self.spans.append(span)
+        self.length += span.hi - span.lo
+
+    def finish(self) -> PackedRow:
+        L = self.length
+        ids = np.empty(L, np.int64)
+        pos = np.empty(L, np.int64)
+        pred = np.empty(L, np.int64)
+        loss = np.zeros(L, bool)
+        blp = np.zeros(L, np.float32)
+        run = np.empty(L, np.int64)
+        end = np.empty(L, np.int64)
+        # Row offset of each (run, node)'s token 0, and the row-local node list for subtree ends.
+        base: dict[tuple[int, int], int] = {}
+        row_nodes: list[tuple[int, int]] = []
+        node_hi: dict[tuple[int, int], int] = {}
+        at = 0
+        for s in self.spans:
+            tree, key = self.trees[s.run], (s.run, s.node)
+            if key not in base:
+                base[key] = at - s.lo
+                row_nodes.append(key)
+            n = s.hi - s.lo
+            g0 = int(tree.node_start[s.node]) + s.lo
+            sl = slice(at, at + n)
+            ids[sl] = tree.tokens[g0:g0 + n]
+            pos[sl] = self.depths[s.run][s.node] + np.arange(s.lo, s.hi)
+            run[sl] = s.run
+            pred[sl] = np.arange(at - 1, at + n - 1)
+            if s.lo == 0:
+                parent = int(tree.parent[s.node])
+                pred[at] = -1 if parent < 0 else base[(s.run, parent)] + int(tree.node_len[parent]) - 1
+            if s.owned:
+                loss[sl] = tree.trained[g0:g0 + n]
+                blp[sl] = tree.logprobs[g0:g0 + n]
+            node_hi[key] = at + n
+            at += n
+        # A node's subtree ends where its last descendant in this row ends; rows are preorder,
+        # so propagate ends from the back to parents.
+        sub_end = {key: node_hi[key] for key in row_nodes}
+        for key in reversed(row_nodes):
+            parent = int(self.trees[key[0]].parent[key[1]])
+            pkey = (key[0], parent)
+            if parent >= 0 and pkey in sub_end:
+                sub_end[pkey] = max(sub_end[pkey], sub_end[key])
+        for key in row_nodes:
+            end[base[key]:node_hi[key]] = sub_end[key]
+        return PackedRow(ids, pos, end, pred, loss, blp, run)
+
+
+def pack(trees: Sequence[Tree], row_tokens: int) -> list[PackedRow]:
+    """Trees depth-first into rows of at most ``row_tokens`` tokens (see module docstring)."""
+    if row_tokens < 2:
+        raise ValueError(f"pack row_tokens={row_tokens} must be >= 2")
+    depths = [node_depth(t) for t in trees]
+    rows: list[PackedRow] = []
+    row = _RowBuilder(trees, depths)
+    for r, tree in enumerate(trees):
+        for node in range(tree.n_nodes):
+            lo, n_len = 0, int(tree.node_len[node])
+            while lo < n_len:
+                room = row_tokens - row.length
+                if room == 0:
+                    rows.append(row.finish())
+                    row = _RowBuilder(trees, depths)
+                    _add_context(row, tree, r, node, lo)
+                    room = row_tokens - row.length
+                    if room <= 0:
+                        raise ValueError(
+                            f"pack: run {tree.run_id!r} node {node} sits {int(depths[r][node]) + lo} tokens deep, "
+                            f"more than row_tokens={row_tokens} can hold with its context; raise train.row_tokens")
+                hi = min(n_len, lo + room)
+                row.add(_Span(r, node, lo, hi, owned=True))
+                lo = hi
+    if row.length:
+        rows.append(row.finish())
+    return rows
+
+
+def _add_context(row: _RowBuilder, tree: Tree, run: int, node: int, lo: int) -> None:
+    """Open a row with the ancestors of ``node`` and its first ``lo`` tokens, as context only."""
+    chain = []
+    p = int(tree.parent[node])
+    while p >= 0:
+        chain.append(p)
+        p = int(tree.parent[p])
+    for a in reversed(chain):
+        row.add(_Span(run, a, 0, int(tree.node_len[a]), owned=False))
+    if lo:
+        row.add(_Span(run, node, 0, lo, owned=False))
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Rows padded to one length as torch tensors [B, L]; padding sees only itself, trains nothing."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    subtree_end: torch.Tensor
+    pred_index: torch.Tensor
+    loss_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    run_index: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+
+def collate(rows: Sequence[PackedRow], device: torch.device | str = "cpu", pad_to: int | None = None) -> PackedBatch:
+    if not rows:
+        raise ValueError("collate: no rows")
+    L = max(r.n_tokens for r in rows) if pad_to is None else pad_to
+    if L < max(r.n_tokens for r in rows):
+        raise ValueError(f"collate pad_to={pad_to} is shorter than the longest row ({max(r.n_tokens for r in rows)})")
+    B = len(rows)
+    ids = np.full((B, L), PAD_ID, np.int64)
+    pos = np.zeros((B, L), np.int64)
+    # Padding token i gets subtree_end i+1: it is visible only to itself, and as a query it
+    # sees itself, so no attention row is empty (an empty row would be NaN in SDPA).
+    end = np.tile(np.arange(1, L + 1, dtype=np.int64), (B, 1))
+    pred = np.full((B, L), -1, np.int64)
+    loss = np.zeros((B, L), bool)
+    blp = np.zeros((B, L), np.float32)
+    run = np.full((B, L), -1, np.int64)
+    for b, r in enumerate(rows):
+        n = r.n_tokens
+        ids[b, :n], pos[b, :n], end[b, :n] = r.input_ids, r.position_ids, r.subtree_end
+        pred[b, :n], loss[b, :n], blp[b, :n], run[b, :n] = r.pred_index, r.loss_mask, r.behaviour_logprobs, r.run_index
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return PackedBatch(t(ids), t(pos), t(end), t(pred), t(loss), t(blp), t(run))
