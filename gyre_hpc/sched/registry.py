@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, Callable
 
 from gyre_hpc.sched.state import Policy
@@ -28,10 +29,14 @@ def _elastic(**params: Any) -> Policy:
     return ElasticPolicy(ElasticParams(**params))
 
 
-def _check_params(name: str, params_type: type, params: dict[str, Any]) -> None:
-    if not dataclasses.is_dataclass(params_type):
-        return
-    valid = sorted(f.name for f in dataclasses.fields(params_type))
+def _check_params(name: str, factory: Callable[..., Any], params: dict[str, Any]) -> None:
+    if dataclasses.is_dataclass(factory):
+        valid = sorted(f.name for f in dataclasses.fields(factory))
+    else:
+        sig = inspect.signature(factory)
+        if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            return  # the factory checks its own keywords (e.g. ``_elastic``)
+        valid = sorted(sig.parameters)
     unknown = sorted(set(params) - set(valid))
     if unknown:
         raise ValueError(
@@ -55,8 +60,7 @@ def get_policy(name: str, **params: Any) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown scheduler policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}")
     factory = _load(name)
-    if isinstance(factory, type):
-        _check_params(name, factory, params)
+    _check_params(name, factory, params)
     return factory(**params)
 
 
