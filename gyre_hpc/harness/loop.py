@@ -1,0 +1,261 @@
+"""The agent loop: one run of one task, a coroutine over a workspace, journaled call by call.
+
+Context layout (token ids, see tokenizer.py):
+    intro   = BOS "<system text>" ENV "<task spec>"
+    context = intro AGENT                        the first prompt
+    next    = context <output> ENV "<tool result>" AGENT
+so each prompt extends the previous prompt+output and the calls of one context share one
+path in the trajectory tree. Three things start a new branch instead:
+- compression: when ``len(context) + max_new_tokens + len(summary request)`` passes
+  ``context_limit``, a ``summary`` call sees ``context ENV "summarize..." AGENT`` and the
+  context restarts as ``intro ENV "summary: " <summary bytes> AGENT``;
+- retry: when the main agent finishes and the tests do not all pass, the context restarts
+  from its anchor (the intro, or the last compressed context) plus the test report, at most
+  ``max_retries`` times; the workspace keeps its files (the retry sees the report);
+- delegation: ``<call>d<subtask><end>`` runs a sub-agent with its own intro (role
+  ``subagent``, agent ``sub<k>``) over the same workspace for ``subagent_turns`` calls;
+  its finish message (or "turn budget spent") is the tool result the parent sees.
+The run ends with status ``finished`` (finish with a pass, retries spent, or turns spent),
+``timeout`` (the wall clock ran out; the workspace is kept and scored as it is) or
+``failed`` (the model client raised). Every status is scored by the task's checker.
+
+Resume: with ``resume=True`` an unfinished journal is replayed: the workspace is rebuilt
+from the task's files and the recorded outputs are fed back through the same tools
+instead of calling the model; the first prompt that differs from the record (a tool that
+is not deterministic) abandons the replay and restarts the run cleanly (new journal,
+fresh workspace). The wall clock restarts on resume.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from gyre_hpc.harness.actions import Action, parse_action
+from gyre_hpc.harness.client import Completion, ModelClient
+from gyre_hpc.harness.confine import Limits
+from gyre_hpc.harness.journal import JournalState, JournalWriter, load_journal
+from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
+from gyre_hpc.harness.tokenizer import AGENT, BOS, END, ENV, EOS, encode, split_bytes
+from gyre_hpc.harness.tools import ToolError, Workspace
+from gyre_hpc.trees.model import ModelCall
+
+# Short on purpose: a tiny model pays for every prompt token at each call.
+SYSTEM_TEXT = ("One tool call per turn: r read, w write, l list, x run, t test, d delegate, f finish. "
+               "Plain text goes to the answer file.")
+SUBAGENT_TEXT = "Sub-agent: do the subtask, then f."
+SUMMARY_REQUEST = "Summarize your progress."
+STOP_IDS = (END, EOS)
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    max_new_tokens: int = 64
+    context_limit: int = 1024
+    run_timeout_s: float = 120.0
+    max_retries: int = 1
+    max_delegations: int = 2
+    subagent_turns: int = 4
+    subtask_bytes: int = 128
+    tool_output_bytes: int = 256
+    command_limits: Limits = field(default_factory=Limits)
+    check_limits: Limits = field(default_factory=lambda: Limits(wall_s=20.0, output_bytes=1 << 16))
+
+    @classmethod
+    def from_rollout(cls, rollout, **overrides) -> "HarnessConfig":
+        """From the run config's ``rollout`` section (config.RolloutConfig)."""
+        return cls(max_new_tokens=rollout.max_new_tokens, context_limit=rollout.context_limit,
+                   run_timeout_s=rollout.run_timeout_s, **overrides)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: str
+    task_id: str
+    status: str
+    reward: float
+    wall_s: float
+    calls: list[ModelCall]
+    check: CheckReport | None
+    retries: int = 0
+    compressions: int = 0
+    delegations: int = 0
+    replayed: int = 0
+    error: str | None = None      # why a run "failed" (the client's exception)
+
+
+class RunTimeout(Exception):
+    pass
+
+
+class ReplayDiverged(Exception):
+    pass
+
+
+class AgentRun:
+    """One run; ``await AgentRun(...).run()``. Not reusable: make one per run."""
+
+    def __init__(self, task: Task, workspace: str | Path, client: ModelClient, journal_path: str | Path,
+                 cfg: HarnessConfig = HarnessConfig(), run_id: str = "run") -> None:
+        self.task, self.client, self.cfg, self.run_id = task, client, cfg, run_id
+        self.workspace_path = Path(workspace)
+        self.journal_path = Path(journal_path)
+        intro = self._intro(SYSTEM_TEXT, task.spec)
+        if self._summary_budget(intro) < 0:
+            raise ValueError(
+                f"rollout.context_limit={cfg.context_limit} is too small for task {task.task_id!r}: its "
+                f"header is {len(intro)} tokens, plus max_new_tokens={cfg.max_new_tokens} and the summary request")
+
+    # ---- context pieces -------------------------------------------------------------
+    @staticmethod
+    def _intro(system: str, *env_texts: str) -> list[int]:
+        ids = [BOS] + encode(system)
+        for text in env_texts:
+            ids += [ENV] + encode(text)
+        return ids
+
+    def _summary_budget(self, intro: list[int]) -> int:
+        overhead = len(encode(SUMMARY_REQUEST)) + 2 + len(encode("summary: ")) + 2
+        return self.cfg.context_limit - self.cfg.max_new_tokens - overhead - len(intro)
+
+    def _needs_compression(self, context: list[int]) -> bool:
+        return len(context) + self.cfg.max_new_tokens + len(encode(SUMMARY_REQUEST)) + 2 > self.cfg.context_limit
+
+    # ---- the run --------------------------------------------------------------------
+    async def run(self, resume: bool = True) -> RunResult:
+        state = load_journal(self.journal_path) if resume and self.journal_path.exists() else None
+        if state is not None and state.finished:
+            return RunResult(self.run_id, self.task.task_id, state.status, state.reward or 0.0, state.wall_s or 0.0,
+                             state.calls, None)
+        try:
+            return await self._run_once(state)
+        except ReplayDiverged:
+            return await self._run_once(None)
+
+    async def _run_once(self, state: JournalState | None) -> RunResult:
+        self.task.materialize(self.workspace_path)
+        self.ws = Workspace(self.workspace_path, self.cfg.command_limits)
+        self.replay = list(state.calls) if state is not None else []
+        self.writer = JournalWriter.reopen(state) if state is not None else \
+            JournalWriter.create(self.journal_path, self.run_id, self.task.task_id)
+        self.calls: list[ModelCall] = []
+        self.retries = self.compressions = self.delegations = 0
+        self.last_check: CheckReport | None = None
+        start = time.monotonic()
+        self.deadline = start + self.cfg.run_timeout_s
+        status, error = "finished", None
+        try:
+            await self._agent("main", "main", self._intro(SYSTEM_TEXT, self.task.spec), self.task.max_turns)
+        except RunTimeout:
+            status = "timeout"
+        except ReplayDiverged:
+            self.writer.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed run is still scored and journaled
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+        # Scored from the workspace as it is, whatever the status: partial progress counts.
+        check = await asyncio.to_thread(check_workspace, self.task, self.workspace_path, self.cfg.check_limits)
+        wall = time.monotonic() - start
+        self.writer.end(status, check.score, wall, list(check.passed))
+        return RunResult(self.run_id, self.task.task_id, status, check.score, wall, self.calls, check,
+                         self.retries, self.compressions, self.delegations, min(len(self.replay), len(self.calls)), error)
+
+    def _remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RunTimeout()
+        return left
+
+    async def _call(self, prompt: list[int], role: str, agent: str) -> Completion:
+        remaining = self._remaining()
+        k = len(self.calls)
+        if k < len(self.replay):
+            rec = self.replay[k]
+            if rec.prompt.tolist() != prompt or rec.role != role or rec.agent != agent:
+                raise ReplayDiverged(f"call {k}: the replayed prompt differs from the journal")
+            comp = Completion(tuple(rec.output.tolist()), tuple(rec.logprobs.tolist()), rec.policy_version)
+            self.calls.append(rec)
+            return comp
+        try:
+            comp = await asyncio.wait_for(self.client.complete(prompt, self.cfg.max_new_tokens, STOP_IDS), remaining)
+        except asyncio.TimeoutError:
+            raise RunTimeout() from None
+        call = ModelCall(prompt, comp.output, comp.logprobs, role=role, agent=agent,
+                         policy_version=comp.policy_version)
+        self.writer.append_call(call)
+        self.calls.append(call)
+        return comp
+
+    async def _compress(self, context: list[int], intro: list[int], agent: str) -> list[int]:
+        comp = await self._call(context + [ENV] + encode(SUMMARY_REQUEST) + [AGENT], "summary", agent)
+        self.compressions += 1
+        summary = split_bytes(comp.output)[: max(self._summary_budget(intro), 0)]
+        return intro + [ENV] + encode("summary: ") + list(summary) + [AGENT]
+
+    async def _agent(self, agent: str, role: str, intro: list[int], max_turns: int) -> str:
+        """Run one agent's turns; returns its finish message (what a parent sees)."""
+        anchor = intro + [AGENT]
+        context = list(anchor)
+        for _ in range(max_turns):
+            if self._needs_compression(context):
+                context = anchor = await self._compress(context, intro, agent)
+            comp = await self._call(context, role, agent)
+            action = parse_action(comp.output)
+            result, finished = await self._execute(action, agent)
+            if finished and agent == "main":
+                report = await self._check()
+                if report.score < 1.0 and self.retries < self.cfg.max_retries:
+                    self.retries += 1
+                    context = anchor[:-1] + [ENV] + encode(f"retry {self.retries}: " + report.summary()) + [AGENT]
+                    continue
+                return result
+            if finished:
+                return result
+            shown = encode(result)[: self.cfg.tool_output_bytes]
+            context = context + list(comp.output) + [ENV] + shown + [AGENT]
+        return "turn budget spent"
+
+    async def _check(self) -> CheckReport:
+        limits = replace(self.cfg.check_limits, wall_s=min(self.cfg.check_limits.wall_s, self._remaining()))
+        self.last_check = await asyncio.to_thread(check_workspace, self.task, self.workspace_path, limits)
+        return self.last_check
+
+    async def _execute(self, action: Action, agent: str) -> tuple[str, bool]:
+        """(tool result text, whether the agent finished)."""
+        try:
+            if action.tool == "finish":
+                return action.text() or "done", True
+            if action.tool == "answer":
+                n = self.ws.write(self.task.answer_file, action.args[0], append=True)
+                return f"appended {n} bytes to {self.task.answer_file}", False
+            if action.tool == "read":
+                return self.ws.read(action.text()).decode("utf-8", errors="replace"), False
+            if action.tool == "write":
+                n = self.ws.write(action.text(0), action.args[1])
+                return f"wrote {n} bytes to {action.text(0).strip()}", False
+            if action.tool == "list":
+                return "\n".join(self.ws.list(action.text() or ".")) or "(empty)", False
+            if action.tool == "exec":
+                result = await asyncio.to_thread(self.ws.run, action.text(), self._remaining())
+                self._remaining()
+                return result.describe(), False
+            if action.tool == "test":
+                return (await self._check()).summary(), False
+            if action.tool == "delegate":
+                return await self._delegate(action.text(), agent), False
+        except ToolError as exc:
+            return f"error: {exc}", False
+        raise AssertionError(f"unhandled tool {action.tool}")
+
+    async def _delegate(self, subtask: str, agent: str) -> str:
+        if agent != "main":
+            return "error: a sub-agent cannot delegate"
+        if self.delegations >= self.cfg.max_delegations:
+            return f"error: delegation budget ({self.cfg.max_delegations}) spent"
+        self.delegations += 1
+        sub = f"sub{self.delegations}"
+        subtask = split_bytes(encode(subtask)[: self.cfg.subtask_bytes]).decode("utf-8", errors="replace")
+        intro = self._intro(SUBAGENT_TEXT, self.task.spec, "subtask: " + subtask)
+        message = await self._agent(sub, "subagent", intro, self.cfg.subagent_turns)
+        return f"{sub}: {message}"

@@ -1,0 +1,19 @@
+"""Tasks: a spec, initial files and tests; ``load_suite`` picks a built-in suite by name."""
+from __future__ import annotations
+
+from gyre_hpc.harness.tasks.builtin import SUITES
+from gyre_hpc.harness.tasks.checker import CheckReport, check_workspace
+from gyre_hpc.harness.tasks.spec import Task, TaskTest
+
+__all__ = ["CheckReport", "Task", "TaskTest", "check_workspace", "load_suite", "suite_names"]
+
+
+def suite_names() -> list[str]:
+    return sorted(SUITES)
+
+
+def load_suite(name: str) -> list[Task]:
+    """The tasks of suite ``name`` (``rollout.tasks`` in the run config)."""
+    if name not in SUITES:
+        raise ValueError(f"rollout.tasks={name!r} is not a task suite; valid suites: {', '.join(suite_names())}")
+    return list(SUITES[name])
