@@ -1,0 +1,281 @@
+"""Launchers: turn a FleetPlan into one running MPI world, and hand back something to watch.
+
+One interface, two implementations, one conformance suite (tests/jobs/test_launchers.py):
+
+- ``LocalLauncher``: ``mpiexec`` on this machine, MPMD blocks in component order.
+- ``SlurmLauncher``: one ``srun --mpi=<plugin>`` step. Inside a het job the components are
+  the job's het groups (``--het-group=0,1,..``); anywhere else a heterogeneous *step*
+  (``srun A : B : ...``, each block with its own ``--nodelist``), which is how a plain
+  submitit allocation gets one MPI world spanning differently shaped cells.
+
+Why handles find their step id through ``scontrol show step``: srun does not print it, and
+the step's ``SrunHost:Pid`` names the very srun process we started, so the match cannot pick
+up someone else's step.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Mapping
+
+from gyre_hpc.jobs.plan import FleetPlan
+
+
+class LaunchError(RuntimeError):
+    """The launcher could not start the fleet; the message says which binary or setting."""
+
+
+def exit_status(returncode: int) -> int:
+    """Shell convention: a process killed by signal N reports 128+N, never a negative code."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class FleetHandle(ABC):
+    """A running fleet: poll it, wait for it, kill it. Exit codes follow the fleet contract."""
+
+    def __init__(self, proc: subprocess.Popen, command: list[str], log_path: Path | None):
+        self.proc = proc
+        self.command = command
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll()
+        return None if rc is None else exit_status(rc)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return exit_status(self.proc.wait(timeout))
+
+    @property
+    @abstractmethod
+    def step_id(self) -> str | None:
+        """``<jobid>.<stepid>`` of the Slurm step; None where there is no Slurm step."""
+
+    @abstractmethod
+    def kill(self, grace_s: float = 5.0) -> int:
+        """End every rank; returns the exit status."""
+
+
+class Launcher(ABC):
+    name: str
+
+    @abstractmethod
+    def command(self, plan: FleetPlan, argv: list[str]) -> list[str]:
+        """The full command line that starts ``argv`` on every rank of ``plan``."""
+
+    @abstractmethod
+    def launch(self, plan: FleetPlan, argv: list[str], log_path: Path | None = None,
+               env: Mapping[str, str] | None = None, cwd: Path | None = None) -> FleetHandle:
+        """Start the fleet and return at once."""
+
+
+def fleet_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for fleet ranks: one BLAS/torch thread per rank (ranks already fill the cores)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GYRE_TORCH_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def _popen(command: list[str], log_path: Path | None, env: dict[str, str], cwd: Path | None) -> subprocess.Popen:
+    out = subprocess.DEVNULL
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_path, "ab")
+    try:
+        # Own session: a kill reaches the launcher and everything it forked, nothing of ours.
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd, start_new_session=True)
+    finally:
+        if out is not subprocess.DEVNULL:
+            out.close()
+
+
+# --------------------------------------------------------------------------- local
+
+
+class LocalHandle(FleetHandle):
+    @property
+    def step_id(self) -> str | None:
+        return None
+
+    def kill(self, grace_s: float = 5.0) -> int:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                return self.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.wait()
+
+
+class LocalLauncher(Launcher):
+    """``mpiexec`` on this machine; components become MPMD blocks so rank order matches the plan."""
+
+    name = "local"
+
+    def __init__(self, mpiexec: str = "mpiexec", extra_args: list[str] = ()):
+        self.mpiexec = mpiexec
+        self.extra_args = list(extra_args)
+
+    def command(self, plan: FleetPlan, argv: list[str]) -> list[str]:
+        # More ranks than cores is the normal case on a laptop or CI box.
+        cmd = [self.mpiexec, "--oversubscribe", *self.extra_args]
+        for i, comp in enumerate(plan.components):
+            if i:
+                cmd.append(":")
+            cmd += ["-n", str(comp.ntasks), *argv]
+        return cmd
+
+    def launch(self, plan, argv, log_path=None, env=None, cwd=None) -> LocalHandle:
+        exe = shutil.which(self.mpiexec)
+        if exe is None:
+            raise LaunchError(f"{self.mpiexec} not on PATH; install Open MPI with `scripts/install-system.sh`")
+        run_env = fleet_env(env)
+        if os.geteuid() == 0:
+            # Open MPI refuses root unless told twice (containers and CI run as root).
+            run_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            run_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        command = self.command(plan, argv)
+        return LocalHandle(_popen(command, log_path, run_env, cwd), command, log_path)
+
+
+# --------------------------------------------------------------------------- slurm
+
+_STEP_RE = re.compile(r"StepId=(\d+)\.(\w+?)(?:\+(\d+))?\s.*?SrunHost:Pid=(\S+):(\d+)")
+
+
+def find_step(srun_host: str, srun_pid: int, prefer_job: str | None = None) -> str | None:
+    """The ``<job>.<step>`` that the srun process ``srun_host:srun_pid`` runs, or None if not yet.
+
+    A het step lists once per component (``10.0+0``, ``10.0+1``); a step over a het job lists
+    once per component job (``7.0``, ``8.0``, ``9.0``); either way the het leader's id (the
+    job's own ``SLURM_JOB_ID``, else the lowest) is the one ``scancel`` takes for the whole step.
+    """
+    out = subprocess.run(["scontrol", "show", "step", "-o"], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        return None
+    found = []
+    for line in out.stdout.splitlines():
+        m = _STEP_RE.search(line)
+        if m and m.group(4) == srun_host and int(m.group(5)) == srun_pid:
+            found.append((m.group(1), m.group(2)))
+    if not found:
+        return None
+    for job, step in found:
+        if job == prefer_job:
+            return f"{job}.{step}"
+    job, step = min(found, key=lambda js: int(js[0]))
+    return f"{job}.{step}"
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """``c[1-3]`` -> ``['c1','c2','c3']`` by Slurm's own parser."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        raise LaunchError(f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}")
+    return out.stdout.split()
+
+
+class SlurmHandle(FleetHandle):
+    def __init__(self, proc, command, log_path, prefer_job: str | None):
+        super().__init__(proc, command, log_path)
+        self._prefer_job = prefer_job
+        self._step_id: str | None = None
+        self._host = socket.gethostname()
+
+    @property
+    def step_id(self) -> str | None:
+        if self._step_id is None and self.proc.poll() is None:
+            self._step_id = find_step(self._host, self.proc.pid, self._prefer_job)
+        return self._step_id
+
+    def wait_step_id(self, timeout_s: float = 60.0) -> str:
+        """Block until Slurm has started the step (het jobs wait for backfill)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.step_id is not None:
+                return self._step_id  # type: ignore[return-value]
+            if self.proc.poll() is not None:
+                raise LaunchError(f"srun exited ({self.poll()}) before its step appeared; see {self.log_path}")
+            time.sleep(0.2)
+        raise LaunchError(f"no Slurm step for srun pid {self.proc.pid} after {timeout_s:.0f} s; see {self.log_path}")
+
+    def kill(self, grace_s: float = 5.0) -> int:
+        if self.proc.poll() is None:
+            step = self.step_id
+            if step is not None:
+                subprocess.run(["scancel", step], capture_output=True, timeout=10)
+            else:
+                # Not started yet (pending allocation): srun cancels its request on SIGTERM.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                return self.wait(grace_s + 10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.wait()
+
+
+class SlurmLauncher(Launcher):
+    name = "slurm"
+
+    def __init__(self, mpi: str = "pmix", extra_args: list[str] = (), job_name: str = "gyre-fleet"):
+        self.mpi = mpi
+        self.extra_args = list(extra_args)
+        self.job_name = job_name
+
+    def command(self, plan: FleetPlan, argv: list[str]) -> list[str]:
+        # --kill-on-bad-exit: one dead rank ends the step, so the supervisor sees it and relaunches
+        # instead of the other ranks hanging in a collective.
+        cmd = ["srun", f"--mpi={self.mpi}", "--kill-on-bad-exit=1", f"--job-name={self.job_name}", *self.extra_args]
+        groups = plan.het_groups
+        if groups is not None:
+            return cmd + [f"--het-group={','.join(map(str, groups))}", *argv]
+        for i, comp in enumerate(plan.components):
+            if i:
+                cmd.append(":")
+            block = ["--ntasks", str(comp.ntasks), "--cpus-per-task", str(comp.cpus_per_task)]
+            if comp.nodes:
+                block += ["--nodes", str(len(comp.nodes)), "--nodelist", ",".join(comp.nodes)]
+            else:
+                block += ["--nodes", str(comp.nnodes)]
+            cmd += block + list(argv)
+        return cmd
+
+    def launch(self, plan, argv, log_path=None, env=None, cwd=None) -> SlurmHandle:
+        if shutil.which("srun") is None:
+            raise LaunchError("srun not on PATH; install Slurm with `scripts/install-system.sh`")
+        run_env = fleet_env(env)
+        if plan.het_groups is None:
+            # A het step in a plain allocation must not inherit the batch step's one-node shape.
+            for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK",
+                        "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+                run_env.pop(var, None)
+        command = self.command(plan, argv)
+        return SlurmHandle(_popen(command, log_path, run_env, cwd), command, log_path,
+                           prefer_job=os.environ.get("SLURM_JOB_ID"))
+
+
+def launcher_for(name: str, mpi: str = "pmix", extra_args: list[str] = ()) -> Launcher:
+    if name == "local":
+        return LocalLauncher()
+    if name == "slurm":
+        return SlurmLauncher(mpi=mpi, extra_args=extra_args)
+    raise LaunchError(f"launcher {name!r} unknown; valid: local, slurm")

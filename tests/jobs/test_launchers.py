@@ -1,0 +1,167 @@
+"""One conformance suite, run against every launcher (local mpiexec, Slurm het step).
+
+The program is a real MPI probe (tests/jobs/mpi_probe.py): each rank does an allreduce and
+reports its rank, world size and node, so a passing test proves one MPI world formed with the
+fleet contract's rank layout.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre_hpc.config import build_config
+from gyre_hpc.jobs import plan as fleet_plan
+from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher, exit_status, expand_nodelist, launcher_for, LaunchError
+
+PROBE = str(Path(__file__).with_name("mpi_probe.py"))
+
+
+def _slurm_nodes(n: int) -> list[str]:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True)
+    nodes = sorted(set(out.stdout.split()), key=lambda s: (len(s), s))
+    if len(nodes) < n:
+        pytest.fail(f"the conformance suite needs {n} Slurm nodes, the cluster has {nodes}")
+    return nodes[:n]
+
+
+class LauncherContract:
+    """Every launcher must pass these. Subclasses say how to build the launcher and plan."""
+
+    cells = 2
+
+    def make(self):  # -> (launcher, plan)
+        raise NotImplementedError
+
+    def launch(self, tmp_path, *args):
+        launcher, plan = self.make()
+        out = tmp_path / "probe"
+        handle = launcher.launch(plan, [sys.executable, PROBE, str(out), *args], log_path=tmp_path / "fleet.log")
+        return handle, plan, out
+
+    def _reports(self, out: Path, n: int) -> list[dict]:
+        return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+
+    def _wait_files(self, out: Path, pattern: str, n: int, handle, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(list(out.glob(pattern))) == n:
+                return
+            if handle.poll() is not None:
+                pytest.fail(f"fleet exited {handle.poll()} early: {Path(handle.log_path).read_text()}")
+            time.sleep(0.1)
+        pytest.fail(f"only {len(list(out.glob(pattern)))} of {n} ranks reached {pattern}")
+
+    def test_one_world_in_contract_rank_order(self, tmp_path):
+        handle, plan, out = self.launch(tmp_path)
+        rc = handle.wait(120)
+        assert rc == 0, Path(handle.log_path).read_text()
+        n = 1 + self.cells
+        assert plan.world_size == n
+        reports = self._reports(out, n)
+        assert [r["rank"] for r in reports] == list(range(n))
+        assert {r["size"] for r in reports} == {n}
+        assert {r["allreduce"] for r in reports} == {n}
+        assert {r["omp_threads"] for r in reports} == {"1"}
+        self.check_placement(plan, reports)
+
+    def check_placement(self, plan, reports):
+        pass
+
+    def test_exit_code_reaches_the_handle(self, tmp_path):
+        handle, _, out = self.launch(tmp_path, "--exit-code", "75", "--sleep", "1")
+        assert handle.poll() is None
+        assert handle.wait(120) == 75
+
+    def test_kill_ends_every_rank(self, tmp_path):
+        handle, plan, out = self.launch(tmp_path, "--sleep", "300")
+        self._wait_files(out, "sleeping-*", plan.world_size, handle)
+        t0 = time.monotonic()
+        rc = handle.kill()
+        assert rc != 0
+        assert time.monotonic() - t0 < 30
+        pids = [r["pid"] for r in self._reports(out, plan.world_size)]
+        time.sleep(0.5)
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+        assert alive == [], f"ranks survived the kill: {alive}"
+
+
+@pytest.mark.mpi
+class TestLocalLauncher(LauncherContract):
+    def make(self):
+        cfg = build_config({"cells": {"count": self.cells}})
+        return LocalLauncher(), fleet_plan.local_plan(cfg)
+
+    def test_has_no_step_id(self, tmp_path):
+        handle, _, _ = self.launch(tmp_path)
+        assert handle.step_id is None
+        assert handle.wait(60) == 0
+
+
+@pytest.mark.slurm
+class TestSlurmLauncher(LauncherContract):
+    def make(self):
+        cfg = build_config({"cells": {"count": self.cells}, "launcher": "slurm"})
+        return SlurmLauncher(), fleet_plan.plan_for_nodes(cfg, _slurm_nodes(1 + self.cells))
+
+    def check_placement(self, plan, reports):
+        # One MPI world over 3 virtual nodes: the controller alone on the first, a cell on each other.
+        assert [r["node"] for r in reports] == [c.nodes[0] for c in plan.components]
+        assert len({r["node"] for r in reports}) == 3
+
+    def test_scancel_of_the_step_ends_the_fleet(self, tmp_path):
+        handle, plan, out = self.launch(tmp_path, "--sleep", "300")
+        step = handle.wait_step_id()
+        assert re.fullmatch(r"\d+\.\d+", step)
+        self._wait_files(out, "sleeping-*", plan.world_size, handle)
+        assert {r["job"] for r in self._reports(out, plan.world_size)} >= {step.split(".")[0]}
+        subprocess.run(["scancel", step], check=True)
+        assert handle.wait(60) != 0
+
+
+def test_local_command_puts_components_in_rank_order():
+    cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 2}})
+    cmd = LocalLauncher().command(fleet_plan.local_plan(cfg), ["prog", "--x"])
+    assert cmd == ["mpiexec", "--oversubscribe", "-n", "1", "prog", "--x", ":", "-n", "2", "prog", "--x",
+                   ":", "-n", "2", "prog", "--x"]
+
+
+def test_slurm_command_uses_het_groups_inside_a_het_job():
+    cfg = build_config({"cells": {"count": 2}})
+    env = {"SLURM_HET_SIZE": "3", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "1",
+           "SLURM_NTASKS_HET_GROUP_2": "1", "SLURM_JOB_NODELIST_HET_GROUP_0": "c1",
+           "SLURM_JOB_NODELIST_HET_GROUP_1": "c2", "SLURM_JOB_NODELIST_HET_GROUP_2": "c3"}
+    plan = fleet_plan.plan_for_het_job(cfg, env)
+    cmd = SlurmLauncher(mpi="pmix").command(plan, ["prog"])
+    assert cmd == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--job-name=gyre-fleet", "--het-group=0,1,2", "prog"]
+
+
+def test_slurm_command_is_a_het_step_with_nodelists_in_an_allocation():
+    cfg = build_config({"cells": {"count": 2, "nodes_per_cell": 2, "cpus_per_rank": 3}})
+    plan = fleet_plan.plan_for_nodes(cfg, ["a1", "a2", "a3", "a4", "a5"])
+    cmd = SlurmLauncher(mpi="pmi2").command(plan, ["prog"])
+    blocks = " ".join(cmd).split(" : ")
+    assert blocks[0].endswith("--ntasks 1 --cpus-per-task 1 --nodes 1 --nodelist a1 prog")
+    assert blocks[1] == "--ntasks 1 --cpus-per-task 3 --nodes 2 --nodelist a2,a3 prog"
+    assert blocks[2] == "--ntasks 1 --cpus-per-task 3 --nodes 2 --nodelist a4,a5 prog"
+    assert "--mpi=pmi2" in cmd
+
+
+def test_exit_status_maps_signals_to_128_plus_n():
+    assert exit_status(-9) == 137
+    assert exit_status(75) == 75
+
+
+def test_unknown_launcher_lists_the_valid_ones():
+    with pytest.raises(LaunchError, match="valid: local, slurm"):
+        launcher_for("pbs")
+
+
+@pytest.mark.slurm
+def test_expand_nodelist_uses_slurm_hostlist_syntax():
+    assert expand_nodelist("c[1-3],d7") == ["c1", "c2", "c3", "d7"]
