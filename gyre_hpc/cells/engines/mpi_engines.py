@@ -1,0 +1,280 @@
+"""Engines in cell ranks, driven from the controller rank over MPI.
+
+Two halves of one protocol:
+
+- ``serve_engine(engine, comm, controller)`` runs on the engine's rank. It decodes on its
+  own (stepping whenever it has work, so engines never wait for each other) and between two
+  steps handles the controller's commands. Token events and finished outputs go up to the
+  controller after every step.
+- ``MPIEngines(comm, ranks)`` on the controller rank is the router's ``EngineTransport``.
+
+Message flow of a drain (controller C, source engine rank S, destination ranks D1..Dn)::
+
+    C -> S   close                  S stops admitting and stops decoding
+    S -> C   closed [request ids]   (after every event S produced before it: same tag, in order)
+    C        plans request -> destination (least outstanding tokens)
+    C -> S   send_states [(rid, Dk)]      C -> Dk  recv_states [(rid, S)]
+    S -> Dk  header + KV chunks (kv_transfer), point to point, never through C
+    S -> C   sent {...}             Dk -> C  received {...}
+    Dk       continues decoding the imported sequences (no prefill)
+
+Because S's events and its replies share one tag, C has seen every token S produced before
+it sees S's reply; D's reply precedes its first event for an imported sequence. So the
+controller's view of each request's token stream stays in order across the move.
+
+Idle waits poll with a short sleep instead of a blocking receive: Open MPI's blocking
+receive spins a core, and cells share cores with the controller on small machines.
+Give this module its own communicator (``comm.Dup()``) so its tags meet no other traffic.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from gyre_hpc.cells.engines.base import Engine, EngineError
+from gyre_hpc.cells.engines.kv_transfer import recv_kv_state, send_kv_state
+from gyre_hpc.cells.engines.requests import Request
+from gyre_hpc.cells.router import EngineReport, MigrationResult
+
+CMD_TAG = 7001   # controller -> engine
+UP_TAG = 7002    # engine -> controller: ("events", events, outputs) or ("reply", op, payload)
+
+_IDLE_SLEEP_S = 0.0005
+_IDLE_SLEEP_MAX_S = 0.005
+
+
+def _wait_probe(comm, source: int, tag: int, timeout_s: float | None = None):
+    """Wait for a message with backoff sleeps; returns its Status, or None on timeout."""
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    delay = _IDLE_SLEEP_S
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not comm.Iprobe(source=source, tag=tag, status=status):
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(delay)
+        delay = min(delay * 2, _IDLE_SLEEP_MAX_S)
+    return status
+
+
+# ---- the engine rank -------------------------------------------------------------------
+
+
+def serve_engine(engine: Engine, comm, controller: int = 0, chunk_bytes: int | None = None):
+    """Serve ``engine`` to the controller until it says stop; returns the final counters.
+
+    A command that fails (a bad request, weights that do not fit) is answered with an error
+    the controller raises; the engine and its other sequences carry on.
+    """
+    server = _EngineServer(engine, comm, controller, chunk_bytes)
+    while not server.stopped:
+        busy = server.decoding and engine.has_unfinished()
+        while not server.stopped and (comm.Iprobe(source=controller, tag=CMD_TAG) or not busy):
+            if not busy:
+                _wait_probe(comm, controller, CMD_TAG)
+            op, payload = comm.recv(source=controller, tag=CMD_TAG)
+            server.handle(op, payload)
+            busy = server.decoding and engine.has_unfinished()
+        if server.stopped:
+            break
+        events = engine.step()
+        outputs = engine.pop_finished()
+        if events or outputs:
+            comm.send(("events", events, outputs), dest=controller, tag=UP_TAG)
+    return engine.counters()
+
+
+class _EngineServer:
+    def __init__(self, engine: Engine, comm, controller: int, chunk_bytes: int | None):
+        self.engine, self.comm, self.controller = engine, comm, controller
+        self.kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        self.decoding = True
+        self.stopped = False
+
+    def reply(self, op: str, payload=None) -> None:
+        self.comm.send(("reply", op, payload), dest=self.controller, tag=UP_TAG)
+
+    def handle(self, op: str, payload) -> None:
+        handler = getattr(self, f"op_{op}", None)
+        if handler is None:
+            self.reply("error", f"unknown engine command {op!r}")
+            return
+        try:
+            result = handler(payload)
+        except Exception as exc:  # noqa: BLE001 - reported to the controller, which raises it
+            self.reply("error", f"{op}: {type(exc).__name__}: {exc}")
+            return
+        if op != "submit":
+            self.reply(op, result)
+
+    def op_submit(self, request: Request):
+        self.engine.submit(request)
+
+    def op_close(self, _):
+        self.engine.close_admission()
+        self.decoding = False  # its sequences are about to move; they continue at the destination
+        return self.engine.request_ids()
+
+    def op_send_states(self, plan: list[tuple[str, int]]):
+        moved, gone, at_move, nbytes, t0 = {}, [], {}, 0, time.perf_counter()
+        inflight = set(self.engine.request_ids())
+        for rid, dest in plan:
+            state = self.engine.kv_export(rid) if rid in inflight else None
+            stats = send_kv_state(self.comm, state, dest, **self.kw)
+            if state is None:
+                gone.append(rid)
+            else:
+                moved[rid], at_move[rid] = dest, len(state.token_ids)
+                nbytes += stats.bytes
+        return {"moved": moved, "gone": gone, "tokens_at_move": at_move, "bytes": nbytes,
+                "seconds": time.perf_counter() - t0, "outputs": self.engine.pop_finished()}
+
+    def op_recv_states(self, items: list[tuple[str, int]]):
+        imported, failed, t0 = [], [], time.perf_counter()
+        # Receive every planned state even if one import fails, so the source never blocks
+        # on a send nobody will match.
+        for rid, src in items:
+            state, _ = recv_kv_state(self.comm, src)
+            if state is None:
+                continue
+            try:
+                self.engine.kv_import(state)
+                imported.append(rid)
+            except (ValueError, EngineError) as exc:
+                failed.append(f"{rid}: {exc}")
+        if failed:
+            raise EngineError(f"imported {len(imported)} of {len(items)} states; failed: {'; '.join(failed)}")
+        return {"imported": imported, "seconds": time.perf_counter() - t0}
+
+    def op_open(self, _):
+        self.engine.open()
+        self.decoding = True
+
+    def op_load_weights(self, payload):
+        state_dict, version = payload
+        self.engine.load_weights(state_dict, version)
+        return self.engine.policy_version
+
+    def op_sleep(self, level: int):
+        self.engine.sleep(level)
+
+    def op_wake(self, _):
+        self.engine.wake()
+
+    def op_stats(self, _):
+        return {"counters": self.engine.counters(), "load": self.engine.load()}
+
+    def op_stop(self, _):
+        self.stopped = True
+        return self.engine.counters()
+
+
+# ---- the controller rank ---------------------------------------------------------------
+
+
+class MPIEngines:
+    """The router's transport to engines served by ``serve_engine`` in other ranks."""
+
+    def __init__(self, comm, ranks: Mapping[int, int], poll_timeout_s: float = 0.05):
+        self.comm = comm
+        self.ranks = dict(ranks)              # engine id -> rank
+        self._engine_of = {r: e for e, r in self.ranks.items()}
+        self._pending: list[EngineReport] = []
+        self.poll_timeout_s = poll_timeout_s
+
+    def _rank(self, engine: int) -> int:
+        if engine not in self.ranks:
+            raise KeyError(f"MPIEngines: no engine {engine}; engines are {sorted(self.ranks)}")
+        return self.ranks[engine]
+
+    def _send(self, engine: int, op: str, payload=None) -> None:
+        self.comm.send((op, payload), dest=self._rank(engine), tag=CMD_TAG)
+
+    def _receive_one(self, status) -> tuple | None:
+        """Take one upward message; events are queued for ``poll``, replies returned."""
+        rank = status.Get_source()
+        msg = self.comm.recv(source=rank, tag=UP_TAG)
+        if msg[0] == "events":
+            self._pending.append(EngineReport(self._engine_of[rank], tuple(msg[1]), tuple(msg[2])))
+            return None
+        if msg[1] == "error":
+            raise EngineError(f"engine {self._engine_of[rank]} (rank {rank}): {msg[2]}")
+        return (self._engine_of[rank],) + tuple(msg[1:])
+
+    def _await_replies(self, engines: list[int], op: str) -> dict[int, object]:
+        """Wait for ``op``'s reply from each engine, queueing the events that come first."""
+        from mpi4py import MPI
+
+        want = set(engines)
+        got: dict[int, object] = {}
+        while want - set(got):
+            status = _wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG)
+            r = self._receive_one(status)
+            if r is None:
+                continue
+            engine, rop, payload = r
+            if rop != op or engine not in want:
+                raise EngineError(f"engine {engine} replied {rop!r} while the controller waited for {op!r}")
+            got[engine] = payload
+        return got
+
+    def call(self, engine: int, op: str, payload=None):
+        """One command with a reply (stats, load_weights, sleep, wake, open, stop)."""
+        self._send(engine, op, payload)
+        return self._await_replies([engine], op)[engine]
+
+    # -- EngineTransport ---------------------------------------------------------------
+    def submit(self, engine: int, request: Request) -> None:
+        self._send(engine, "submit", request)
+
+    def poll(self) -> list[EngineReport]:
+        """Everything the engines sent since the last poll; waits up to ``poll_timeout_s``
+        for the first message so a polling loop does not spin."""
+        from mpi4py import MPI
+
+        if not self._pending:
+            status = _wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG, self.poll_timeout_s)
+            if status is not None:
+                self._check_no_reply(self._receive_one(status))
+        status = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=UP_TAG, status=status):
+            self._check_no_reply(self._receive_one(status))
+        out, self._pending = self._pending, []
+        return out
+
+    @staticmethod
+    def _check_no_reply(r) -> None:
+        if r is not None:
+            raise EngineError(f"engine {r[0]} sent an unexpected reply {r[1]!r} outside a command")
+
+    def close_admission(self, engine: int) -> list[str]:
+        return list(self.call(engine, "close"))
+
+    def migrate(self, source: int, plan: Mapping[str, int]) -> MigrationResult:
+        by_dest: dict[int, list[tuple[str, int]]] = {}
+        for rid, dest in plan.items():
+            by_dest.setdefault(dest, []).append((rid, self._rank(source)))
+        # The source streams states in plan order; each destination receives its share in
+        # that same order, so no receive waits on a send queued behind it.
+        self._send(source, "send_states", [(rid, self._rank(dest)) for rid, dest in plan.items()])
+        for dest, items in by_dest.items():
+            self._send(dest, "recv_states", items)
+        sent = self._await_replies([source], "send_states")[source]
+        if sent["outputs"]:
+            self._pending.append(EngineReport(source, (), tuple(sent["outputs"])))
+        self._await_replies(list(by_dest), "recv_states")
+        return MigrationResult(source, sent["moved"], tuple(sent["gone"]), sent["tokens_at_move"],
+                               sent["bytes"], sent["seconds"])
+
+    def open(self, engine: int) -> None:
+        self.call(engine, "open")
+
+    def stats(self, engine: int) -> dict:
+        return self.call(engine, "stats")
+
+    def stop(self) -> dict[int, object]:
+        """Stop every engine's serve loop; returns each engine's final counters."""
+        for engine in self.ranks:
+            self._send(engine, "stop")
+        return self._await_replies(list(self.ranks), "stop")

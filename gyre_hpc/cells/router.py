@@ -1,0 +1,229 @@
+"""The request router: spreads model calls over the ROLLOUT engines and drains an engine by
+migrating its in-flight sequences, KV cache included, to the others.
+
+The router lives on the controller rank and owns the routing decisions; the engines may
+live in the same process (``InProcessEngines``: tests, benchmarks, a laptop) or in cell
+ranks (``gyre_hpc.cells.engines.mpi_engines.MPIEngines``). Both implement the small
+``EngineTransport`` protocol, so the decisions below are the same code either way.
+
+Load is measured in outstanding tokens (``outstanding_tokens_of``: prompt tokens not yet
+prefilled plus every request's remaining decode budget), not in request counts: agent calls
+range from a 50-token tool reply to a 30K-token context, and counting requests would pile
+the long ones onto one engine. The router keeps its own book from what it submitted and the
+token events it saw, so choosing an engine costs no round trip to the cells.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol
+
+from gyre_hpc.cells.engines.base import Engine, outstanding_tokens_of
+from gyre_hpc.cells.engines.requests import Output, Request, TokenEvent
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What one engine produced since the last poll."""
+
+    engine: int
+    events: tuple[TokenEvent, ...] = ()
+    outputs: tuple[Output, ...] = ()
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """What one drain moved."""
+
+    source: int
+    moved: Mapping[str, int]                 # request_id -> destination engine
+    gone: tuple[str, ...] = ()               # finished on the source before they could move
+    tokens_at_move: Mapping[str, int] = field(default_factory=dict)  # output tokens each moved sequence had on the source
+    bytes: int = 0                           # KV cache bytes moved
+    seconds: float = 0.0
+
+
+class EngineTransport(Protocol):
+    """How the router reaches engines: submit, collect tokens, and the two drain phases."""
+
+    def submit(self, engine: int, request: Request) -> None: ...
+
+    def poll(self) -> list[EngineReport]: ...
+
+    def close_admission(self, engine: int) -> list[str]:
+        """Stop the engine admitting requests; return the ids it has in flight."""
+
+    def migrate(self, source: int, plan: Mapping[str, int]) -> MigrationResult:
+        """Export each planned request from ``source`` and import it on its destination."""
+
+    def open(self, engine: int) -> None: ...
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    engine: int
+    generated: int = 0
+    prefilled: bool = False
+
+    @property
+    def outstanding(self) -> int:
+        return outstanding_tokens_of(self.request, self.generated, self.prefilled)
+
+
+class Router:
+    def __init__(self, transport: EngineTransport, engines: Iterable[int]):
+        self.transport = transport
+        self._active: list[int] = sorted(set(engines))
+        self._tracked: dict[str, _Tracked] = {}
+        self._outputs: list[Output] = []
+        self.migrations: list[MigrationResult] = []
+
+    # -- routing -------------------------------------------------------------------------
+    @property
+    def engines(self) -> tuple[int, ...]:
+        """Engines that receive new requests (ROLLOUT cells not being drained)."""
+        return tuple(self._active)
+
+    def outstanding_tokens(self, engine: int) -> int:
+        return sum(t.outstanding for t in self._tracked.values() if t.engine == engine)
+
+    def inflight(self, engine: int | None = None) -> list[str]:
+        return [rid for rid, t in self._tracked.items() if engine is None or t.engine == engine]
+
+    def choose(self, loads: Mapping[int, int] | None = None) -> int:
+        """The active engine with the least outstanding tokens (ties: fewer requests, lower id)."""
+        if not self._active:
+            raise RuntimeError("router has no ROLLOUT engine to route to: every engine is drained or none was added")
+        loads = loads if loads is not None else {e: self.outstanding_tokens(e) for e in self._active}
+        counts = {e: 0 for e in self._active}
+        for t in self._tracked.values():
+            if t.engine in counts:
+                counts[t.engine] += 1
+        return min(self._active, key=lambda e: (loads[e], counts[e], e))
+
+    def submit(self, request: Request) -> int:
+        if request.request_id in self._tracked:
+            raise ValueError(f"router: request_id {request.request_id!r} is already in flight on engine "
+                             f"{self._tracked[request.request_id].engine}")
+        engine = self.choose()
+        self.transport.submit(engine, request)
+        self._tracked[request.request_id] = _Tracked(request, engine)
+        return engine
+
+    def poll(self) -> list[TokenEvent]:
+        """Advance/collect every engine once; returns the token events in arrival order."""
+        events: list[TokenEvent] = []
+        for report in self.transport.poll():
+            for ev in report.events:
+                t = self._tracked.get(ev.request_id)
+                if t is not None:
+                    t.generated = ev.index + 1
+                    t.prefilled = True
+                events.append(ev)
+            for out in report.outputs:
+                self._tracked.pop(out.request_id, None)
+                self._outputs.append(out)
+        return events
+
+    def pop_finished(self) -> list[Output]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    def unfinished(self) -> int:
+        return len(self._tracked)
+
+    def run_until_done(self) -> list[Output]:
+        """Poll until every submitted request has finished (tests, benchmarks, one-off batches)."""
+        while self._tracked:
+            self.poll()
+        return self.pop_finished()
+
+    # -- cells joining and leaving ---------------------------------------------------------
+    def add_engine(self, engine: int) -> None:
+        """A cell became ROLLOUT: open its engine and route to it."""
+        self.transport.open(engine)
+        if engine not in self._active:
+            self._active.append(engine)
+            self._active.sort()
+
+    def plan_drain(self, source: int, inflight: Iterable[str]) -> dict[str, int]:
+        """Largest-first onto the least loaded remaining engine (LPT), so the moved work
+        spreads evenly instead of landing on whichever engine was lightest at the start."""
+        dests = [e for e in self._active if e != source]
+        ids = list(inflight)
+        if ids and not dests:
+            raise RuntimeError(f"router: cannot drain engine {source}: {len(ids)} sequences in flight and no other "
+                               f"ROLLOUT engine to take them")
+        loads = {e: self.outstanding_tokens(e) for e in dests}
+        plan: dict[str, int] = {}
+        for rid in sorted(ids, key=lambda r: -self._cost(r)):
+            dest = min(dests, key=lambda e: (loads[e], e))
+            plan[rid] = dest
+            loads[dest] += self._cost(rid)
+        return plan
+
+    def _cost(self, rid: str) -> int:
+        t = self._tracked.get(rid)
+        return t.outstanding if t is not None else 0
+
+    def drain(self, engine: int) -> MigrationResult:
+        """A ROLLOUT cell leaves (to train): stop routing to it, move every in-flight
+        sequence with its KV cache to the remaining engines, where it continues."""
+        if engine in self._active:
+            self._active.remove(engine)
+        inflight = self.transport.close_admission(engine)
+        unknown = [rid for rid in inflight if rid not in self._tracked]
+        if unknown:
+            raise RuntimeError(f"router: engine {engine} holds requests the router never routed: {unknown[:5]}")
+        plan = self.plan_drain(engine, inflight)
+        result = self.transport.migrate(engine, plan)
+        for rid, dest in result.moved.items():
+            self._tracked[rid].engine = dest
+        self.migrations.append(result)
+        return result
+
+
+class InProcessEngines:
+    """Engines in this process. ``poll`` steps each engine that has work once."""
+
+    def __init__(self, engines: Mapping[int, Engine]):
+        self.engines = dict(engines)
+
+    def submit(self, engine: int, request: Request) -> None:
+        self.engines[engine].submit(request)
+
+    def poll(self) -> list[EngineReport]:
+        reports = []
+        for idx, eng in self.engines.items():
+            events = eng.step() if eng.has_unfinished() else []
+            outputs = eng.pop_finished()
+            if events or outputs:
+                reports.append(EngineReport(idx, tuple(events), tuple(outputs)))
+        return reports
+
+    def close_admission(self, engine: int) -> list[str]:
+        eng = self.engines[engine]
+        eng.close_admission()
+        return eng.request_ids()
+
+    def migrate(self, source: int, plan: Mapping[str, int]) -> MigrationResult:
+        t0 = time.perf_counter()
+        src = self.engines[source]
+        moved, gone, at_move, nbytes = {}, [], {}, 0
+        inflight = set(src.request_ids())
+        for rid, dest in plan.items():
+            if rid not in inflight:
+                gone.append(rid)
+                continue
+            state = src.kv_export(rid)
+            # kv_import copies the cache into the destination's own buffers, so no
+            # tensor is shared between the two engines.
+            self.engines[dest].kv_import(state)
+            moved[rid] = dest
+            at_move[rid] = len(state.token_ids)
+            nbytes += state.nbytes
+        return MigrationResult(source, moved, tuple(gone), at_move, nbytes, time.perf_counter() - t0)
+
+    def open(self, engine: int) -> None:
+        self.engines[engine].open()

@@ -1,0 +1,100 @@
+"""TorchEngine: the conformance suite plus what only the reference engine promises."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyre_hpc.cells.engines import Request
+from gyre_hpc.cells.engines.kv_state import KVState
+from gyre_hpc.cells.engines.sampling import sample_token
+from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.models.checkpoint import load_pretrained
+
+from engine_conformance import EngineConformance, full_recompute, greedy, run_all, sampled, step_until
+from engine_helpers import prompt
+
+
+class TestTorchEngine(EngineConformance):
+    logprob_atol = 1e-5
+
+    def make_engine(self, model_dir, name):
+        return TorchEngine.from_pretrained(model_dir, name=name, max_batch=8)
+
+
+@pytest.fixture
+def engines(model_dir):
+    return (TorchEngine.from_pretrained(model_dir, name="a"), TorchEngine.from_pretrained(model_dir, name="b"))
+
+
+def test_corrupted_cache_changes_the_continuation(engines):
+    """Negative control: the migration test compares tokens, so it must notice a wrong cache."""
+    a, b = engines
+    reference = a.generate(Request("ref", prompt(4), greedy(30)))
+    a.submit(Request("m", prompt(4), greedy(30)))
+    step_until(a, "m", 5)
+    state = a.kv_export("m")
+    k0, v0 = state.kv[0]
+    broken = KVState(**{**state.__dict__, "kv": ((torch.zeros_like(k0), v0),) + state.kv[1:]})
+    b.kv_import(broken)
+    assert run_all(b)["m"].token_ids != reference.token_ids
+
+
+def test_sampled_tokens_follow_the_reference_sampler(engines, model_dir):
+    a, _ = engines
+    params = sampled(20, seed=5, temperature=0.7, top_p=0.8)
+    out = a.generate(Request("s", prompt(2), params))
+    model = load_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(5)
+    ids = list(prompt(2))
+    with torch.no_grad():
+        for _ in range(20):
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
+            ids.append(sample_token(logits, params, gen)[0])
+    assert list(out.token_ids) == ids[len(prompt(2)):]
+
+
+def test_chunked_prefill_matches_one_shot_prefill(model_dir):
+    one = TorchEngine.from_pretrained(model_dir, prefill_chunk=4096)
+    chunked = TorchEngine.from_pretrained(model_dir, prefill_chunk=5)
+    long_prompt = prompt(9, length=60)
+    a = one.generate(Request("p", long_prompt, greedy(12)))
+    b = chunked.generate(Request("p", long_prompt, greedy(12)))
+    assert a.token_ids == b.token_ids
+    assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert chunked.counters().prefill_tokens == len(long_prompt)
+    one.submit(Request("k", long_prompt, greedy(4)))
+    chunked.submit(Request("k", long_prompt, greedy(4)))
+    one.step()
+    chunked.step()
+    for (ka, va), (kb, vb) in zip(one.kv_export("k").kv, chunked.kv_export("k").kv):
+        torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
+
+
+def test_max_batch_bounds_the_running_batch_and_load_counts_outstanding_tokens(model_dir):
+    e = TorchEngine.from_pretrained(model_dir, max_batch=2)
+    reqs = [Request(f"r{i}", prompt(i), greedy(10)) for i in range(4)]
+    for r in reqs:
+        e.submit(r)
+    assert e.load().outstanding_tokens == sum(r.prompt_len + 10 for r in reqs)
+    e.step()
+    load = e.load()
+    assert (load.running, load.queued) == (2, 2)
+    assert load.kv_tokens == reqs[0].prompt_len + reqs[1].prompt_len
+    assert load.outstanding_tokens == 2 * 9 + reqs[2].prompt_len + reqs[3].prompt_len + 20
+    assert len(run_all(e)) == 4
+
+
+def test_request_beyond_max_position_is_refused_naming_the_fields(model_dir):
+    e = TorchEngine.from_pretrained(model_dir)
+    limit = e.model.config.max_position
+    with pytest.raises(ValueError, match="max_new_tokens.*max_position"):
+        e.submit(Request("long", prompt(0), greedy(limit)))
+
+
+def test_greedy_logprobs_are_untempered_model_logprobs(engines, model_dir):
+    """Sampling at temperature 0.5 still reports log_softmax of the raw logits."""
+    a, _ = engines
+    out = a.generate(Request("t", prompt(1), sampled(10, seed=3, temperature=0.5)))
+    _, logprobs = full_recompute(load_pretrained(model_dir), out.prompt_ids, out.token_ids)
+    assert out.logprobs == pytest.approx(logprobs, abs=1e-5)
