@@ -2,8 +2,8 @@
 
 Order of preference: role first (main, then subagent, then summary: the main agent's
 decisions are what the reward scores most directly; summaries are bookkeeping); within a
-role, calls whose path is not a prefix of another call's path ("maximal" paths) before
-prefix paths, because a maximal path carries every output along its prefix; then journal
+role, calls whose path no call of that role (or a preferred one) extends ("maximal"
+paths) before prefix paths, because a maximal path carries every output along its prefix; then journal
 order. Nodes that no kept path uses are pruned.
 
 What stays trained: every position on a kept path that the policy generated keeps its
@@ -27,21 +27,23 @@ from gyre_hpc.trees.model import Tree
 
 
 def admission_order(tree: Tree) -> list[int]:
-    """Calls (tree-local indices) in the order admission prefers them."""
+    """Calls (tree-local indices) in the order admission prefers them.
+
+    "Maximal" is judged against calls of the same or a preferred role only: a main call
+    that only a summary call extends is still the longest main path.
+    """
     sub_end = subtree_end_nodes(tree)
-    ends = set(tree.call_node.tolist())
-    # A call's path is maximal iff no other call's path continues below its end node.
-    below = np.zeros(tree.n_nodes + 1, dtype=np.int64)  # prefix count of call ends by node
-    marks = np.zeros(tree.n_nodes, dtype=np.int64)
-    for n in ends:
-        marks[n] = 1
-    below[1:] = np.cumsum(marks)
-
-    def continues(c: int) -> bool:
-        n = int(tree.call_node[c])
-        return bool(below[sub_end[n]] - below[n + 1] > 0)
-
-    return sorted(range(tree.n_paths), key=lambda c: (int(tree.call_role[c]), continues(c), c))
+    continued = np.zeros(tree.n_paths, dtype=bool)
+    for role in np.unique(tree.call_role):
+        # Prefix counts of call ends (of this role or a preferred one) by node, so "does a
+        # call end strictly below node n" is one subtraction.
+        marks = np.zeros(tree.n_nodes + 1, dtype=np.int64)
+        np.add.at(marks, tree.call_node[tree.call_role <= role] + 1, 1)
+        ends_before = np.cumsum(marks)
+        mine = np.flatnonzero(tree.call_role == role)
+        n = tree.call_node[mine]
+        continued[mine] = ends_before[sub_end[n]] - ends_before[n + 1] > 0
+    return sorted(range(tree.n_paths), key=lambda c: (int(tree.call_role[c]), bool(continued[c]), c))
 
 
 def admit(tree: Tree, max_paths: int) -> Tree:
