@@ -1,0 +1,226 @@
+"""The head job's supervisor: launch the fleet, watch it, relaunch it, drain it before requeue.
+
+It is not an MPI rank. It owns three decisions:
+
+- a fleet that fails (killed step, lost node, crash) is relaunched from the last checkpoint,
+  up to ``supervise.max_relaunches`` times, then the run fails with a message naming the log;
+- a stop request (USR2 before the time limit, SIGTERM, Ctrl-C, or submitit's checkpoint call)
+  becomes ``control/checkpoint-and-exit``; the fleet checkpoints and exits 75;
+- after a drained stop it requeues the Slurm job when asked to (USR2), so the next start
+  resumes from the checkpoint the fleet just sealed.
+
+Why ``metrics.h5`` is opened only around launches: HDF5 allows one writer, and while the
+fleet runs that writer is the controller rank. The supervisor's ``events`` rows (launch,
+exit, relaunch, requeue, resume, finish, fail) are written while no fleet runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from gyre_hpc.config import RunConfig
+from gyre_hpc.jobs.launchers import FleetHandle, Launcher, LaunchError
+from gyre_hpc.jobs.plan import FleetPlan
+from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.metrics import MetricsWriter
+
+EXIT_DONE = 0
+EXIT_CHECKPOINTED = 75
+CHECKPOINT_AND_EXIT = "checkpoint-and-exit"
+
+
+@dataclass(frozen=True)
+class SupervisorResult:
+    status: str          # finished | requeued | stopped | failed
+    exit_code: int       # what the head process should exit with
+    launches: int
+    last_step: int | None
+    message: str
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "exit_code": self.exit_code, "launches": self.launches,
+                "last_step": self.last_step, "message": self.message}
+
+
+@dataclass
+class StopRequest:
+    reason: str          # USR2, SIGTERM, SIGINT, submitit, ...
+    requeue: bool        # requeue the Slurm job once the fleet has checkpointed
+
+
+def latest_checkpoint_step(run: RunDir) -> int | None:
+    """The last completed step the fleet sealed, or None before the first checkpoint."""
+    from gyre_hpc.cells import checkpoint  # torch import; only when a checkpoint matters
+
+    latest = checkpoint.latest_dir(run.checkpoints)
+    return None if latest is None else checkpoint.read_meta(latest).step
+
+
+def fleet_argv(run: RunDir, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "gyre_hpc.cells", "--run-dir", str(run.root)]
+
+
+def requeue_slurm_job(job_id: str) -> None:
+    """``scontrol requeue``; Slurm then SIGTERMs this batch step and starts it again later."""
+    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"scontrol requeue {job_id} failed: {out.stderr.strip()}")
+
+
+@dataclass
+class Supervisor:
+    cfg: RunConfig
+    run: RunDir
+    launcher: Launcher
+    plan: FleetPlan
+    argv: list[str] | None = None
+    requeue: Callable[[], None] | None = None   # how to requeue this job; None outside Slurm
+    log: Callable[[str], None] = field(default=lambda msg: print(f"[head] {msg}", flush=True))
+    drain_timeout_s: float | None = None        # default: most of slurm.signal_s
+
+    handle: FleetHandle | None = field(default=None, init=False)
+    stop: StopRequest | None = field(default=None, init=False)
+    launches: int = field(default=0, init=False)
+    _drained: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.argv is None:
+            self.argv = fleet_argv(self.run)
+        if self.drain_timeout_s is None:
+            self.drain_timeout_s = max(10.0, 0.8 * self.cfg.slurm.signal_s)
+
+    # -- called from signal handlers: only set state and touch a file --------------------------
+
+    def request_stop(self, reason: str, requeue: bool) -> None:
+        """Ask the fleet to checkpoint and exit; the first request decides whether to requeue."""
+        if self.stop is None:
+            self.stop = StopRequest(reason=reason, requeue=requeue)
+        (self.run.control / CHECKPOINT_AND_EXIT).touch()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Write the resolved config and clear a stop request left by the previous start."""
+        self.run.make()
+        resolved = self.cfg.model_copy(update={"run_dir": str(self.run.root)})
+        tmp = self.run.config.with_name("config.yaml.tmp")
+        tmp.write_text(resolved.to_yaml())
+        os.replace(tmp, self.run.config)
+        flag = self.run.control / CHECKPOINT_AND_EXIT
+        step = latest_checkpoint_step(self.run)
+        if step is not None:
+            flag.unlink(missing_ok=True)
+            restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+            self.event("resume", step, f"from checkpoint step {step}; slurm restart {restart}")
+            self.log(f"resuming after step {step}")
+        elif flag.exists():
+            flag.unlink()
+
+    def run_fleet(self) -> SupervisorResult:
+        self.prepare()
+        failures: list[str] = []
+        while True:
+            if self.stop is not None:
+                return self._finish_stop(None)
+            step = latest_checkpoint_step(self.run)
+            kind = "launch" if self.launches == 0 else "relaunch"
+            self.event(kind, -1 if step is None else step,
+                       f"attempt {self.launches + 1} via {self.launcher.name}, world {self.plan.world_size}")
+            log_path = self.run.logs / f"fleet-{int(time.time())}-{self.launches + 1}.log"
+            try:
+                self.handle = self.launcher.launch(self.plan, self.argv, log_path=log_path, cwd=self.run.root)
+            except LaunchError as exc:
+                return self._fail(str(exc), step)
+            self.launches += 1
+            self.log(f"{kind} {self.launches}: {' '.join(self.handle.command[:3])} ... (log {log_path})")
+            rc = self._watch(self.handle)
+            step = latest_checkpoint_step(self.run)
+            self.event("exit", -1 if step is None else step,
+                       f"fleet exit {rc}, step {self.handle.step_id or '-'}")
+            self.handle = None
+            if rc == EXIT_DONE:
+                self.event("finish", step, f"all {self.cfg.train.steps} steps done")
+                return SupervisorResult("finished", 0, self.launches, step,
+                                        f"finished {self.cfg.train.steps} steps in {self.launches} launch(es)")
+            if rc == EXIT_CHECKPOINTED or self.stop is not None:
+                return self._finish_stop(rc)
+            failures.append(f"exit {rc} ({log_path})")
+            if len(failures) > self.cfg.supervise.max_relaunches:
+                return self._fail(
+                    f"fleet failed {len(failures)} times, more than supervise.max_relaunches="
+                    f"{self.cfg.supervise.max_relaunches}: " + "; ".join(failures), step)
+            self.log(f"fleet failed with exit {rc}; relaunching from step {step} "
+                     f"({len(failures)}/{self.cfg.supervise.max_relaunches})")
+
+    def _watch(self, handle: FleetHandle) -> int:
+        announced = False
+        while True:
+            rc = handle.poll()
+            if rc is not None:
+                return rc
+            if not announced and handle.step_id is not None:
+                announced = True
+                self._record_step(handle)
+            time.sleep(self.cfg.supervise.poll_s)
+
+    def _record_step(self, handle: FleetHandle) -> None:
+        """Where the running fleet is: tools (and tests) read this to find the step to act on."""
+        info = {"step_id": handle.step_id, "pid": handle.pid, "launch": self.launches, "time": time.time()}
+        (self.run.logs / "fleet.json").write_text(json.dumps(info))
+        self.log(f"fleet is Slurm step {handle.step_id}")
+
+    def drain(self, reason: str, requeue: bool) -> int | None:
+        """Synchronous stop for callers that cannot return to the loop (submitit's checkpoint()).
+
+        Touches the control file, waits for the fleet's exit (75 expected), kills it past the
+        drain timeout (the previous checkpoint is then the resume point) and records the event.
+        """
+        self.request_stop(reason, requeue)
+        rc = None
+        if self.handle is not None:
+            try:
+                rc = self.handle.wait(self.drain_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.log(f"fleet did not checkpoint within {self.drain_timeout_s:.0f} s; killing it")
+                rc = self.handle.kill()
+        self._drained = True
+        step = latest_checkpoint_step(self.run)
+        self.event("requeue" if requeue else "stop", -1 if step is None else step,
+                   f"{reason}: fleet exit {rc}, resume after step {step}")
+        return rc
+
+    def _finish_stop(self, rc: int | None) -> SupervisorResult:
+        step = latest_checkpoint_step(self.run)
+        stop = self.stop or StopRequest(reason="control file", requeue=False)
+        if rc is not None and rc != EXIT_CHECKPOINTED:
+            self.log(f"fleet exited {rc} instead of {EXIT_CHECKPOINTED} while stopping; "
+                     f"the resume point is the last checkpoint (step {step})")
+        if stop.requeue and self.requeue is not None:
+            if not self._drained:
+                self.event("requeue", -1 if step is None else step,
+                           f"{stop.reason}: fleet exit {rc}, resume after step {step}")
+            self.log(f"{stop.reason}: checkpointed at step {step}; requeueing")
+            try:
+                self.requeue()
+            except RuntimeError as exc:
+                return self._fail(str(exc), step)
+            return SupervisorResult("requeued", 0, self.launches, step, f"requeued after step {step}")
+        if not self._drained:
+            self.event("stop", -1 if step is None else step, f"{stop.reason}: fleet exit {rc}")
+        return SupervisorResult("stopped", EXIT_CHECKPOINTED, self.launches, step,
+                                f"stopped ({stop.reason}) after step {step}; run again to resume")
+
+    def _fail(self, message: str, step: int | None) -> SupervisorResult:
+        self.event("fail", -1 if step is None else step, message)
+        self.log(f"FAILED: {message}")
+        return SupervisorResult("failed", 1, self.launches, step, message)
+
+    def event(self, name: str, step: int | None, detail: str) -> None:
+        with MetricsWriter(self.run.metrics) as metrics:
+            metrics.event(name, -1 if step is None else step, detail)

@@ -1,0 +1,39 @@
+#!/bin/bash
+# gyre-hpc head job: a heterogeneous job. Component 0 runs this script, then the
+# supervisor (python) and the fleet's controller rank; components 1..N hold one cell each.
+# Shape: cells.count=3 ranks_per_cell=1 nodes_per_cell=1 cpus_per_rank=1.
+# Another shape: `gyre-hpc submit --sbatch CONFIG` writes and submits a matching script.
+# Usage: sbatch sbatch/gyre_head.sh CONFIG.yaml [--set key=value ...]
+#SBATCH --job-name=gyre-head
+#SBATCH --time=60
+#SBATCH --requeue
+#SBATCH --signal=B:USR2@120
+#SBATCH --open-mode=append
+#SBATCH --output=gyre-head-%j.out
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH hetjob
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH hetjob
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH hetjob
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+set -euo pipefail
+if [ $# -lt 1 ]; then
+  echo "usage: sbatch $0 CONFIG.yaml [--set key=value ...]" >&2
+  exit 2
+fi
+# The submit directory's virtual environment unless GYRE_PYTHON names another python.
+PY="${GYRE_PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x "${SLURM_SUBMIT_DIR:-.}/.venv/bin/python" ]; then PY="${SLURM_SUBMIT_DIR:-.}/.venv/bin/python"; else PY=python3; fi
+fi
+# exec, not a child: USR2 and SIGTERM must reach the supervisor itself.
+exec "$PY" -m gyre_hpc.jobs.head "$@"
