@@ -1,0 +1,54 @@
+"""Rank program: broadcast an odd state dict (dtypes, sizes, empty and 0-d tensors) in tiny
+chunks from rank 0; every rank writes its received tensors' checksums and raw bytes."""
+import json
+import sys
+
+import torch
+from mpi4py import MPI
+
+from gyre_hpc.cells import weights
+
+out_path, chunk_sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+world = MPI.COMM_WORLD
+
+
+def reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w.f32": torch.randn(7, 13, generator=g),
+        "w.bf16": torch.randn(3, 5, 11, generator=g).to(torch.bfloat16),
+        "idx.i64": torch.randint(-2**40, 2**40, (17,), generator=g, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "big.f32": torch.randn(4099, generator=g),   # several chunks on its own
+        "mask": torch.rand(9, generator=g) > 0.5,
+    }
+
+
+rank = world.Get_rank()
+ref = reference()
+all_results = []
+for chunk_bytes in chunk_sizes:
+    if rank == 0:
+        got, stats = weights.bcast_state_dict(ref, world, chunk_bytes=chunk_bytes)
+    elif rank == 1:
+        # Receive in place into tensors of the right shape holding other values.
+        into = {k: torch.zeros_like(v) for k, v in ref.items()}
+        got, stats = weights.bcast_state_dict(None, world, into=into, chunk_bytes=chunk_bytes)
+        assert all(got[k].data_ptr() == into[k].data_ptr() for k in ref if ref[k].numel()), "not received in place"
+    else:
+        got, stats = weights.bcast_state_dict(None, world, chunk_bytes=chunk_bytes)
+    result = {
+        "rank": rank,
+        "checksum": weights.state_checksum(got),
+        "ref_checksum": weights.state_checksum(ref),
+        "equal": all(torch.equal(got[k], ref[k]) and got[k].dtype == ref[k].dtype for k in ref),
+        "names": list(got),
+        "bytes": stats.bytes,
+        "chunks": stats.chunks,
+    }
+    all_results.append(result)
+results = world.gather(all_results, root=0)
+if rank == 0:
+    with open(out_path, "w") as f:
+        json.dump(results, f)

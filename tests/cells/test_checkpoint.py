@@ -1,0 +1,63 @@
+"""Checkpoint directories, the latest pointer and pruning, on a real filesystem."""
+import json
+
+import pytest
+import torch
+
+from gyre_hpc.cells import checkpoint as ck
+
+
+def save(root, step, value=1.0, keep=2):
+    d = ck.staging_dir(root, step)
+    ck.write_state(d, {"w": torch.full((3,), value), "b": torch.arange(4).to(torch.bfloat16)})
+    return ck.commit(root, step, ck.CheckpointMeta(step=step, policy_version=step, roles={"0": "TRAIN", "1": "ROLLOUT"}),
+                     keep=keep)
+
+
+def test_commit_writes_meta_state_and_latest(tmp_path):
+    final = save(tmp_path, 3, value=2.0)
+    assert final.name == "step-00000003"
+    assert ck.latest_dir(tmp_path) == final
+    meta = ck.read_meta(final)
+    assert (meta.step, meta.policy_version, meta.roles) == (3, 3, {"0": "TRAIN", "1": "ROLLOUT"})
+    state = ck.load_state(final)
+    assert torch.equal(state["w"], torch.full((3,), 2.0)) and state["b"].dtype == torch.bfloat16
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_only_the_last_two_are_kept(tmp_path):
+    for step in range(1, 6):
+        save(tmp_path, step)
+    assert [p.name for p in ck.complete_dirs(tmp_path)] == ["step-00000004", "step-00000005"]
+    assert ck.latest_dir(tmp_path).name == "step-00000005"
+
+
+def test_a_killed_writer_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    save(tmp_path, 1)
+    d = ck.staging_dir(tmp_path, 2)
+    ck.write_state(d, {"w": torch.zeros(2)})          # killed before commit
+    assert ck.latest_dir(tmp_path).name == "step-00000001"
+    assert [p.name for p in ck.complete_dirs(tmp_path)] == ["step-00000001"]
+    save(tmp_path, 2)                                  # the relaunch redoes the step
+    assert ck.latest_dir(tmp_path).name == "step-00000002"
+
+
+def test_commit_refuses_a_dir_without_its_state(tmp_path):
+    ck.staging_dir(tmp_path, 1)
+    with pytest.raises(ck.CheckpointError, match="model.safetensors was not written"):
+        ck.commit(tmp_path, 1, ck.CheckpointMeta(step=1, policy_version=1, roles={}))
+    assert ck.latest_dir(tmp_path) is None
+
+
+def test_broken_pointer_and_meta_are_named(tmp_path):
+    (tmp_path / "latest").write_text("step-00000009\n")
+    with pytest.raises(ck.CheckpointError, match="names 'step-00000009'"):
+        ck.latest_dir(tmp_path)
+    d = tmp_path / "step-00000001"
+    d.mkdir()
+    (d / "meta.json").write_text("{not json")
+    with pytest.raises(ck.CheckpointError, match="meta.json is unreadable"):
+        ck.read_meta(d)
+    (d / "meta.json").write_text(json.dumps({"step": 1, "policy_version": 0, "roles": {}}))
+    with pytest.raises(ck.CheckpointError, match="model.safetensors is missing"):
+        ck.load_state(d)
