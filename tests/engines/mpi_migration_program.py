@@ -1,0 +1,77 @@
+"""Run under ``mpiexec -n 3``: rank 0 routes, ranks 1 and 2 each serve a TorchEngine.
+
+Rank 0 submits the requests (least outstanding tokens spreads them over both engines),
+waits until every request has produced a few tokens, drains engine 1 (its sequences move
+to rank 2 with their KV caches, point to point), runs everything to the end and writes
+what the test checks to a JSON file. Usage: mpi_migration_program.py MODEL_DIR OUT_JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+from mpi4py import MPI
+
+from gyre_hpc.cells.engines import Request, SamplingParams
+from gyre_hpc.cells.engines.mpi_engines import MPIEngines, serve_engine
+from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.cells.router import Router
+
+MAX_NEW = 96
+
+
+def requests(prompts: list[list[int]]) -> list[Request]:
+    """Greedy and seeded requests, ordered so that each engine gets one of each."""
+    out = []
+    for i, p in enumerate(prompts):
+        seeded = i in (1, 2)
+        params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9 if seeded else 0.0,
+                                top_p=0.95 if seeded else 1.0, seed=1000 + i if seeded else None,
+                                stop_token_ids=())
+        out.append(Request(f"req{i}", tuple(p), params))
+    return out
+
+
+def controller(comm, prompts, out_path) -> None:
+    transport = MPIEngines(comm, {1: 1, 2: 2})
+    router = Router(transport, [1, 2])
+    reqs = requests(prompts)
+    routed = {r.request_id: router.submit(r) for r in reqs}
+    seen: dict[str, int] = {}
+    # "Mid-decode": every request prefilled and a few tokens in, far from its budget.
+    while len(seen) < len(reqs) or min(seen.values()) < 3:
+        for ev in router.poll():
+            seen[ev.request_id] = ev.index + 1
+    before = transport.stats(2)["counters"]
+    result = router.drain(1)
+    outputs = router.run_until_done()
+    after = transport.stats(2)["counters"]
+    final = transport.stop()
+    json.dump({
+        "routed": routed,
+        "moved": dict(result.moved), "gone": list(result.gone), "tokens_at_move": dict(result.tokens_at_move),
+        "bytes": result.bytes,
+        "dest_before": dataclasses.asdict(before), "dest_after": dataclasses.asdict(after),
+        "final": {str(e): dataclasses.asdict(c) for e, c in final.items()},
+        "outputs": {o.request_id: {"token_ids": list(o.token_ids), "logprobs": list(o.logprobs),
+                                   "migrations": o.migrations} for o in outputs},
+    }, open(out_path, "w"))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    model_dir, out_path = sys.argv[1], sys.argv[2]
+    comm = MPI.COMM_WORLD.Dup()
+    prompts = json.load(open(f"{model_dir}/prompts.json"))
+    if comm.Get_rank() == 0:
+        controller(comm, prompts, out_path)
+    else:
+        serve_engine(TorchEngine.from_pretrained(model_dir, name=f"rank{comm.Get_rank()}"), comm, controller=0,
+                     chunk_bytes=4096)  # small chunks: a state crosses as many messages
+    comm.Barrier()
+
+
+if __name__ == "__main__":
+    main()
