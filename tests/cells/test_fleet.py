@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import RANKS, make_run_dir, mpiexec, ok
+from cells_mpi import RANKS, make_run_dir, mpiexec, ok
 from gyre_hpc.cells import checkpoint as ck
 from gyre_hpc.rundir.metrics import read_table
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import RANKS, mpiexec, ok
+from cells_mpi import RANKS, mpiexec, ok
 
 pytestmark = pytest.mark.mpi
 

@@ -1,4 +1,4 @@
-"""Launch real MPI ranks for the fleet tests: ``mpiexec -n N --oversubscribe`` in a subprocess.
+"""Helpers for the fleet tests: launch real MPI ranks: ``mpiexec -n N --oversubscribe`` in a subprocess.
 
 Each test runs a rank program from ``ranks/`` (or the fleet entry itself) and reads what
 rank 0 wrote; a timeout turns a hang into a failure instead of a stuck suite.
