@@ -30,11 +30,11 @@ class ElasticParams:
     # Release only while the remaining engines would be at most this full (of the target):
     # headroom for runs coming back from a tool call, and the gap that stops flapping.
     fill: float = 0.8
-    # A released cell must find training work for at least this many switch round trips
-    # (rollout->train plus train->rollout): the backlog left when it arrives, shared with the
-    # replicas already training. Otherwise it arrives after the backlog is gone and only pays
-    # the switch.
-    min_train_gain: float = 1.0
+    # Release only if it shortens the training of the waiting backlog by more than this
+    # many switches back (train->rollout): the cells arrive after rollout_to_train_s, and
+    # must return before the next batch. A backlog the replicas finish alone before the
+    # switch would end is never worth a release.
+    return_cost_weight: float = 1.0
     # Reclaim replicas for waiting rollout work only while the training backlog would take
     # the current replicas less than this long: a large backlog means they are not idle.
     reclaim_backlog_s: float = 30.0
@@ -48,8 +48,8 @@ class ElasticParams:
             raise ValueError(f"elastic target_requests_per_engine={self.target_requests_per_engine}: must be >= 1")
         if not 0 < self.fill <= 1:
             raise ValueError(f"elastic fill={self.fill}: must be in (0, 1]")
-        if self.min_train_gain < 0 or self.reclaim_backlog_s < 0:
-            raise ValueError("elastic min_train_gain and reclaim_backlog_s must be >= 0")
+        if self.return_cost_weight < 0 or self.reclaim_backlog_s < 0:
+            raise ValueError("elastic return_cost_weight and reclaim_backlog_s must be >= 0")
         if self.default_train_tokens_per_s <= 0:
             raise ValueError(f"elastic default_train_tokens_per_s={self.default_train_tokens_per_s}: must be > 0")
         if self.max_staleness < 0:
@@ -100,24 +100,32 @@ class ElasticPolicy:
             return []
         demand = rollout_demand(state)
         engines = len(serving_engines(state))
-        rate = trainers_rate(state, p.default_train_tokens_per_s)
-        round_trip = state.rollout_to_train_s + state.train_to_rollout_s
         # Fewest in-flight requests first (least KV to migrate), then highest id.
         candidates = sorted(flippable(state, Role.ROLLOUT), key=lambda c: (c.inflight_requests, -c.cell))
-        changes: list[RoleChange] = []
+        picked = []
         for c in candidates:
             after = engines - 1
             if state.unfinished_runs > 0 and after < 1:
                 break  # the last engine stays while any run can still call the model
             if demand > p.fill * p.target_requests_per_engine * after:
                 break
-            # Training work still waiting when this cell arrives, at the replicas' speed.
-            waiting = state.train_backlog_tokens - rate * state.rollout_to_train_s
-            if waiting <= 0 or waiting / (rate + train_rate(c, p.default_train_tokens_per_s)) < p.min_train_gain * round_trip:
-                break
-            changes.append(RoleChange(
-                c.cell, Role.TRAIN,
-                f"demand {demand} fits {after} engines; backlog {state.train_backlog_tokens} tokens"))
+            picked.append(c)
             engines = after
-            rate += train_rate(c, p.default_train_tokens_per_s)
-        return changes
+        if not picked:
+            return []
+        # Worth it? Time to train the waiting backlog with the replicas there now, against
+        # the time with the released cells joining after their switch, plus their way back.
+        # More cells only shorten the second figure, so it is all the cells that fit or none.
+        backlog = state.train_backlog_tokens
+        rate = trainers_rate(state, p.default_train_tokens_per_s)
+        added = sum(train_rate(c, p.default_train_tokens_per_s) for c in picked)
+        left = backlog - rate * state.rollout_to_train_s
+        if left <= 0:
+            return []
+        alone_s = backlog / rate if rate > 0 else math.inf
+        joined_s = state.rollout_to_train_s + left / (rate + added)
+        if joined_s + p.return_cost_weight * state.train_to_rollout_s >= alone_s:
+            return []
+        why = (f"demand {demand} fits {engines} engines; backlog {backlog} tokens trains in "
+               f"{joined_s:.0f}s instead of {alone_s:.0f}s")
+        return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]

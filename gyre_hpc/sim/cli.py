@@ -1,0 +1,72 @@
+"""``gyre-hpc sim``: simulate the three policies on one workload, or sweep where elastic pays."""
+from __future__ import annotations
+
+import click
+
+from gyre_hpc.bench import emit
+from gyre_hpc.sim.workload import PRESETS, WorkloadError, load_workload
+
+
+def _set(values: tuple[str, ...]) -> dict:
+    """``--set fleet.cells=16`` -> {"fleet": {"cells": 16}} (values parsed as YAML)."""
+    import yaml
+    out: dict = {}
+    for text in values:
+        if "=" not in text:
+            raise click.BadParameter(f"{text!r}: expected key=value, e.g. fleet.cells=16", param_hint="--set")
+        key, raw = text.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+@click.command("sim")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="paper", show_default=True,
+              help="workload preset to start from")
+@click.option("--workload", "workload_file", type=click.Path(dir_okay=False),
+              help="YAML overriding preset fields by section (e.g. measured figures of a real run)")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override one field, e.g. fleet.cells=16")
+@click.option("--policies", default="elastic,async,colocate", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False),
+              help="write one run directory per policy here (metrics.h5 + sim.json)")
+@click.option("--sweep", "do_sweep", is_flag=True, help="vary tail, switch cost, cell count, training cost")
+@click.option("--sweep-steps", type=int, default=4, show_default=True, help="RL steps per sweep point")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies: str, out: str | None,
+        do_sweep: bool, sweep_steps: int, as_json: bool) -> None:
+    """Simulate a fleet of cells under each scheduler policy (same runs for each)."""
+    try:
+        w = load_workload(workload_file, preset, _set(sets))
+    except WorkloadError as exc:
+        raise click.ClickException(str(exc)) from None
+    if do_sweep:
+        import dataclasses
+        from gyre_hpc.sim.sweep import sweep
+        result = sweep(dataclasses.replace(w, steps=min(w.steps, sweep_steps)))
+        if not as_json:
+            _print_sweep(result)
+            return
+        emit(result, as_json)
+        return
+    from gyre_hpc.sim.compare import PAPER_HOURS, POLICIES, compare
+    names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    try:
+        report = compare(w, names, out)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    report["total_h"] = {k: v["total_h"] for k, v in report["policies"].items()}
+    if w.name == "paper" and set(names) == set(POLICIES):
+        report["paper_reported_h"] = PAPER_HOURS
+    emit(report, as_json)
+
+
+def _print_sweep(result: dict) -> None:
+    click.echo(f"sweep around {result['base']} ({result['steps']} steps, {result['cells']} cells)")
+    click.echo(f"{'knob':<14}{'value':>8}{'elastic h':>11}{'async h':>10}{'coloc h':>10}{'vs async':>10}{'vs coloc':>10}")
+    for r in result["rows"]:
+        click.echo(f"{r['knob']:<14}{r['value']!s:>8}{r['elastic_h']:>11.2f}{r['async_h']:>10.2f}{r['colocate_h']:>10.2f}"
+                   f"{r.get('elastic_over_async', float('nan')):>10.3f}{r.get('elastic_over_colocate', float('nan')):>10.3f}")
+    click.echo("elastic does not pay at: " + (", ".join(result["elastic_loses_at"]) or "(nowhere in this sweep)"))

@@ -1,0 +1,548 @@
+"""The discrete-event simulation of a fleet of cells running RL steps under one policy.
+
+Events sit in one heapq, ordered by (time, sequence number), so a seed fixes the run.
+The engines are processor-sharing queues: every sequence on an engine decodes at the same
+batch-dependent speed, so an engine tracks one "service clock" (tokens each of its
+sequences has received) and a heap of the clock readings at which each finishes. A change
+in batch size only moves the engine's next-completion event; nothing is recomputed per
+sequence. The trainer is a fluid: trainable tokens drain at the replicas' summed rate.
+
+Each decision epoch builds a ``ClusterState`` from these counters and calls the very
+policy the runtime calls; the changes it returns are applied with their switch costs.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time as wallclock
+from collections import deque
+from dataclasses import dataclass, field
+
+from gyre_hpc.rundir.metrics import EngineRow, EventRow, StepRow, TimelineRow
+from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
+from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Policy, Role, RoleChange
+from gyre_hpc.sim.batch import Batch, sample_batch
+from gyre_hpc.sim.workload import Workload
+
+# event kinds
+_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE = range(8)
+# busy-accounting categories of a cell
+ROLLOUT_BUSY, ROLLOUT_IDLE, TRAIN_BUSY, TRAIN_IDLE, SWITCH = range(5)
+_EPS = 1e-6
+
+
+class SimError(RuntimeError):
+    """The policy asked for something a fleet cannot do (flip the core cell, ...)."""
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workload: str
+    total_s: float
+    step_s: list[float]
+    busy: dict[str, float]             # fraction of cell-seconds: rollout, train, switch, idle (sums to 1)
+    switches: int
+    runs_finished: int
+    runs_cut: int                      # hit run.timeout_s
+    tokens_trained: float
+    events: int
+    sim_wall_s: float                  # how long the simulation itself took
+    timeline: list[TimelineRow] = field(default_factory=list, repr=False)
+    steps: list[StepRow] = field(default_factory=list, repr=False)
+    engines: list[EngineRow] = field(default_factory=list, repr=False)
+    events_log: list[EventRow] = field(default_factory=list, repr=False)
+
+    @property
+    def total_h(self) -> float:
+        return self.total_s / 3600.0
+
+    def summary(self) -> dict:
+        return {
+            "policy": self.policy, "workload": self.workload, "total_h": round(self.total_h, 3),
+            "total_s": round(self.total_s, 1),
+            "mean_step_s": round(sum(self.step_s) / len(self.step_s), 1) if self.step_s else 0.0,
+            "busy": {k: round(v, 4) for k, v in self.busy.items()},
+            "switches": self.switches, "runs_finished": self.runs_finished, "runs_cut": self.runs_cut,
+            "tokens_trained": int(self.tokens_trained), "events": self.events,
+            "sim_wall_s": round(self.sim_wall_s, 2),
+        }
+
+
+class _Engine:
+    __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx")
+
+    def __init__(self) -> None:
+        self.clock = 0.0      # tokens each resident sequence has been served
+        self.t = 0.0
+        self.heap: list[tuple[float, int]] = []   # (clock at which it finishes, run)
+        self.stamp = 0        # invalidates this engine's pending completion event
+        self.load_stamp = 0   # invalidates its entries in the least-loaded heap
+        self.ctx = 0.0        # KV tokens held
+
+
+class _Cell:
+    __slots__ = ("id", "kind", "role", "switching", "cat", "since", "acc")
+
+    def __init__(self, cid: int, kind: CellKind, role: Role) -> None:
+        self.id, self.kind, self.role, self.switching = cid, kind, role, False
+        self.cat, self.since, self.acc = -1, 0.0, [0.0] * 5
+
+
+class FleetSim:
+    def __init__(self, w: Workload, policy: Policy, policy_name: str):
+        self.w, self.policy, self.name = w, policy, policy_name
+        self.staleness = staleness_bound(policy)
+        f, e = w.fleet, w.engine
+        n_ro = f.rollout_only
+        self.cells = [_Cell(0, CellKind.CORE, Role.TRAIN)] + [
+            _Cell(i, CellKind.ROLLOUT_ONLY if i > f.cells - 1 - n_ro else CellKind.ELASTIC, Role.ROLLOUT)
+            for i in range(1, f.cells)]
+        self.engines = [_Engine() for _ in self.cells]
+        self.per_seq = [e.per_seq_tokens_per_s(n) for n in range(e.max_seqs + 2)]
+        self.events: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.n_events = 0
+        self.load_heap: list[tuple[int, int, int]] = []
+        self.queue: deque[tuple[int, float]] = deque()
+        # runs (flat, across batches)
+        self.run_batch: list[int] = []
+        self.run_idx: list[int] = []
+        self.run_deadline: list[float] = []
+        self.run_tokens: list[float] = []
+        self.batches: dict[int, Batch] = {}
+        self.run_base: dict[int, int] = {}
+        self.group_left: dict[tuple[int, int], int] = {}
+        self.group_tokens: dict[tuple[int, int], float] = {}
+        self.unfinished: dict[int, int] = {}
+        # trainer
+        self.version = 0
+        self.tr_avail = 0.0
+        self.tr_rate = 0.0
+        self.tr_t = 0.0
+        self.tr_stamp = 0
+        self.tr_busy = False
+        self.optimizing = False
+        self.backlog: dict[int, float] = {}
+        self.trained: dict[int, float] = {}
+        # batches
+        self.next_batch = 0
+        self.rolling: int | None = None
+        self.launch_pending = False
+        self.engines_version = 0
+        self.decide_pending = False
+        self.last_step_end = 0.0
+        self.done = False
+        # outputs
+        self.switches = 0
+        self.runs_finished = 0
+        self.runs_cut = 0
+        self.timeline: list[TimelineRow] = []
+        self.steps: list[StepRow] = []
+        self.engine_rows: list[EngineRow] = []
+        self.event_rows: list[EventRow] = []
+        self.step_s: list[float] = []
+
+    # ---------------------------------------------------------------- plumbing
+    def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, a, b))
+
+    def category(self, c: _Cell) -> int:
+        if c.switching:
+            return SWITCH
+        if c.role is Role.ROLLOUT:
+            return ROLLOUT_BUSY if self.engines[c.id].heap else ROLLOUT_IDLE
+        return TRAIN_BUSY if self.tr_busy else TRAIN_IDLE
+
+    def touch(self, c: _Cell) -> None:
+        cat = self.category(c)
+        if cat != c.cat:
+            if c.cat >= 0:
+                c.acc[c.cat] += self.now - c.since
+            c.cat, c.since = cat, self.now
+
+    def serving(self, c: _Cell) -> bool:
+        return c.role is Role.ROLLOUT and not c.switching
+
+    # ---------------------------------------------------------------- engines
+    def advance(self, e: _Engine) -> None:
+        if e.heap:
+            e.clock += self.per_seq[len(e.heap)] * (self.now - e.t)
+        e.t = self.now
+
+    def reschedule(self, cid: int) -> None:
+        e = self.engines[cid]
+        e.stamp += 1
+        if e.heap:
+            dt = max(e.heap[0][0] - e.clock, 0.0) / self.per_seq[len(e.heap)]
+            self.push(self.now + dt, _ENGINE, cid, e.stamp)
+        e.load_stamp += 1
+        if self.serving(self.cells[cid]):
+            heapq.heappush(self.load_heap, (len(e.heap), cid, e.load_stamp))
+
+    def route(self, run: int, work: float, front: bool = False) -> None:
+        """Least-loaded serving engine with room, else the FIFO queue."""
+        max_seqs = self.w.engine.max_seqs
+        while self.load_heap:
+            n, cid, stamp = self.load_heap[0]
+            e = self.engines[cid]
+            if stamp != e.load_stamp or not self.serving(self.cells[cid]):
+                heapq.heappop(self.load_heap)
+                continue
+            if n >= max_seqs:
+                break
+            heapq.heappop(self.load_heap)
+            self.advance(e)
+            if not e.heap:
+                e.clock = 0.0  # keeps service clocks small; nothing depends on the old reading
+            heapq.heappush(e.heap, (e.clock + work, run))
+            e.ctx += self.ctx_of(run)
+            self.reschedule(cid)
+            self.touch(self.cells[cid])
+            return
+        if front:
+            self.queue.appendleft((run, work))
+        else:
+            self.queue.append((run, work))
+
+    def drain_queue(self) -> None:
+        while self.queue:
+            before = len(self.queue)
+            run, work = self.queue.popleft()
+            self.route(run, work, front=True)
+            if len(self.queue) >= before:
+                break
+
+    def ctx_of(self, run: int) -> float:
+        b = self.batches[self.run_batch[run]]
+        return b.ctx[run - self.run_base[b.step]][self.run_idx[run]]
+
+    def on_engine(self, cid: int, stamp: int) -> None:
+        e = self.engines[cid]
+        if stamp != e.stamp:
+            return
+        self.advance(e)
+        finished = []
+        while e.heap and e.heap[0][0] - e.clock <= _EPS:
+            finished.append(heapq.heappop(e.heap)[1])
+        for run in finished:
+            e.ctx -= self.ctx_of(run)
+        if not e.heap:
+            e.ctx = 0.0
+        self.reschedule(cid)
+        self.touch(self.cells[cid])
+        for run in finished:
+            self.call_done(run)
+        self.drain_queue()
+
+    # ---------------------------------------------------------------- runs
+    def call_done(self, run: int) -> None:
+        b = self.batches[self.run_batch[run]]
+        i = run - self.run_base[b.step]
+        k = self.run_idx[run]
+        self.run_tokens[run] += b.tokens[i][k]
+        k += 1
+        self.run_idx[run] = k
+        deadline = self.run_deadline[run]
+        if k == len(b.work[i]) or self.now >= deadline:
+            self.finish_run(run, cut=k < len(b.work[i]))
+            return
+        self.push(min(self.now + b.tool_s[i][k - 1], deadline), _TOOL, run)
+
+    def on_tool(self, run: int) -> None:
+        if self.now >= self.run_deadline[run] - _EPS:
+            self.finish_run(run, cut=True)
+            return
+        b = self.batches[self.run_batch[run]]
+        self.route(run, b.work[run - self.run_base[b.step]][self.run_idx[run]])
+
+    def finish_run(self, run: int, cut: bool) -> None:
+        step = self.run_batch[run]
+        b = self.batches[step]
+        g = (step, b.group[run - self.run_base[step]])
+        self.runs_finished += 1
+        self.runs_cut += cut
+        self.group_tokens[g] += self.run_tokens[run]
+        self.group_left[g] -= 1
+        if self.group_left[g] == 0:
+            # Advantages are normalised within the group, so its runs train once all are in.
+            tokens = self.group_tokens.pop(g)
+            self.trainer_advance()
+            if step == self.version and not self.optimizing:
+                self.tr_avail += tokens
+            else:
+                self.backlog[step] = self.backlog.get(step, 0.0) + tokens
+            self.trainer_update()
+        self.unfinished[step] -= 1
+        if self.unfinished[step] == 0:
+            self.rolling = None
+            self.event_rows.append(EventRow(self.now, "rollout_done", step))
+            self.trainer_update()
+            self.try_start_batch()
+            self.request_decision()
+
+    # ---------------------------------------------------------------- batches
+    def try_start_batch(self) -> None:
+        if (self.next_batch >= self.w.steps or self.rolling is not None or self.launch_pending
+                or not may_start_rollout(self.next_batch, self.version, self.staleness)):
+            return
+        self.launch_pending = True
+        delay = self.w.train.weight_sync_s if self.engines_version != self.version else 0.0
+        self.push(self.now + delay, _LAUNCH, self.next_batch)
+
+    def on_launch(self, step: int) -> None:
+        self.launch_pending = False
+        self.engines_version = self.version
+        b = sample_batch(self.w, step)
+        self.batches[step] = b
+        base = len(self.run_batch)
+        self.run_base[step] = base
+        self.unfinished[step] = b.runs
+        for g in set(b.group):
+            self.group_left[(step, g)] = 0
+            self.group_tokens[(step, g)] = 0.0
+        for g in b.group:
+            self.group_left[(step, g)] += 1
+        deadline = self.now + self.w.run.timeout_s
+        for i in range(b.runs):
+            self.run_batch.append(step)
+            self.run_idx.append(0)
+            self.run_deadline.append(deadline)
+            self.run_tokens.append(0.0)
+        self.rolling = step
+        self.next_batch = step + 1
+        self.event_rows.append(EventRow(self.now, "batch_start", step, f"{b.runs} runs, weights v{self.version}"))
+        for i in range(b.runs):
+            self.route(base + i, b.work[i][0])
+        self.request_decision()
+
+    # ---------------------------------------------------------------- trainer
+    def trainer_advance(self) -> None:
+        if self.tr_busy and not self.optimizing:
+            d = min(self.tr_avail, self.tr_rate * (self.now - self.tr_t))
+            self.tr_avail -= d
+            self.trained[self.version] = self.trained.get(self.version, 0.0) + d
+        self.tr_t = self.now
+
+    def trainer_update(self) -> None:
+        """After any change to replicas or trainable tokens: new rate, next drain, busy flag."""
+        self.trainer_advance()
+        replicas = sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching)
+        t = self.w.train
+        self.tr_rate = replicas * t.tokens_per_s * (1.0 - t.dp_sync_overhead if replicas > 1 else 1.0)
+        self.tr_stamp += 1
+        if self.tr_avail <= _EPS:
+            self.tr_avail = 0.0
+        if not self.optimizing and self.tr_avail > 0 and self.tr_rate > 0:
+            self.push(self.now + self.tr_avail / self.tr_rate, _DRAIN, self.tr_stamp)
+        elif (not self.optimizing and self.tr_avail == 0 and self.unfinished.get(self.version) == 0
+              and self.version < self.w.steps and replicas > 0):
+            # every group of this step is in and trained: the optimizer step ends it
+            self.optimizing = True
+            self.push(self.now + t.optimizer_step_s, _OPT)
+        busy = self.optimizing or (self.tr_avail > 0 and self.tr_rate > 0)
+        if busy != self.tr_busy:
+            self.tr_busy = busy
+            for c in self.cells:
+                if c.role is Role.TRAIN and not c.switching:
+                    self.touch(c)
+
+    def on_drain(self, stamp: int) -> None:
+        if stamp == self.tr_stamp:
+            self.trainer_advance()
+            self.tr_avail = 0.0
+            self.trainer_update()
+
+    def on_opt(self) -> None:
+        step = self.version
+        replicas = sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching)
+        self.version += 1
+        self.optimizing = False
+        wall = self.now - self.last_step_end
+        self.last_step_end = self.now
+        self.step_s.append(wall)
+        self.steps.append(StepRow(step=step, time=self.now, wall_s=wall, tokens=int(round(self.trained.get(step, 0.0))),
+                                  replicas=replicas, policy_version=self.version))
+        self.event_rows.append(EventRow(self.now, "step_done", step))
+        if self.version >= self.w.steps:
+            self.done = True
+            return
+        self.tr_avail = self.backlog.pop(self.version, 0.0)
+        self.trainer_update()
+        self.try_start_batch()
+        self.request_decision()
+
+    # ---------------------------------------------------------------- roles
+    def request_decision(self) -> None:
+        if not self.decide_pending:
+            self.decide_pending = True
+            self.push(self.now, _DECIDE, 0)
+
+    def cluster_state(self) -> ClusterState:
+        tps = self.w.train.tokens_per_s
+        cells = []
+        inflight = 0
+        tokens = 0.0
+        for c in self.cells:
+            e = self.engines[c.id]
+            n = len(e.heap)
+            inflight += n
+            tokens += e.ctx
+            cells.append(CellState(
+                cell=c.id, kind=c.kind, role=c.role, switching=c.switching, inflight_requests=n,
+                inflight_tokens=int(e.ctx), rollout_tokens_per_s=n * self.per_seq[n] if n else 0.0,
+                train_tokens_per_s=tps))
+        self.trainer_advance()
+        backlog = self.tr_avail + sum(self.backlog.values())
+        return ClusterState(
+            time=self.now, step=self.version, cells=tuple(cells),
+            unfinished_runs=sum(self.unfinished.values()), queued_requests=len(self.queue),
+            inflight_requests=inflight, tokens_inflight=int(tokens), train_backlog_tokens=int(backlog),
+            policy_version=self.version,
+            oldest_rollout_version=self.engines_version if self.rolling is not None else self.version,
+            rollout_to_train_s=self.w.fleet.rollout_to_train_s, train_to_rollout_s=self.w.fleet.train_to_rollout_s)
+
+    def on_decide(self, periodic: int) -> None:
+        if periodic:
+            if not self.done:
+                self.push(self.now + self.w.decision_interval_s, _DECIDE, 1)
+        else:
+            self.decide_pending = False
+        self.apply(self.policy(self.cluster_state()), cost=True)
+
+    def apply(self, changes: list[RoleChange], cost: bool) -> None:
+        f = self.w.fleet
+        touched_trainer = False
+        for ch in changes:
+            if not 0 <= ch.cell < len(self.cells):
+                raise SimError(f"policy {self.name!r} flipped cell {ch.cell}: the fleet has cells 0..{len(self.cells) - 1}")
+            c = self.cells[ch.cell]
+            if c.kind is not CellKind.ELASTIC:
+                raise SimError(f"policy {self.name!r} flipped cell {c.id}, a {c.kind.value} cell: only elastic cells flip")
+            if c.switching:
+                raise SimError(f"policy {self.name!r} flipped cell {c.id} while its previous flip is in progress")
+            if c.role is ch.to:
+                continue
+            was = c.role
+            c.role = ch.to
+            dur = (f.rollout_to_train_s if ch.to is Role.TRAIN else f.train_to_rollout_s) if cost else 0.0
+            c.switching = dur > 0
+            if was is Role.ROLLOUT:
+                self.release_engine(c.id)
+            touched_trainer = True
+            self.switches += int(cost)
+            if cost:
+                self.timeline.append(TimelineRow(self.now, c.id, "SWITCH", "switch", self.version, dur, 0,
+                                                 f"{was.value}->{ch.to.value}: {ch.reason}"[:160]))
+                self.push(self.now + dur, _SWITCH, c.id)
+            else:
+                self.timeline.append(TimelineRow(self.now, c.id, ch.to.value, "role", self.version, 0.0, 0,
+                                                 f"initial placement: {ch.reason}"[:160]))
+                self.reschedule(c.id)
+            self.touch(c)
+        if touched_trainer:
+            self.trainer_update()
+            self.drain_queue()
+
+    def release_engine(self, cid: int) -> None:
+        """Its in-flight sequences move, with the work they have left, to the other engines."""
+        e = self.engines[cid]
+        self.advance(e)
+        moved = [(run, max(fin - e.clock, 0.0)) for fin, run in sorted(e.heap)]
+        e.heap.clear()
+        e.ctx = 0.0
+        self.reschedule(cid)
+        for run, left in moved:
+            self.route(run, left, front=True)
+
+    def on_switch(self, cid: int) -> None:
+        c = self.cells[cid]
+        c.switching = False
+        self.timeline.append(TimelineRow(self.now, cid, c.role.value, "role", self.version,
+                                         self.w.fleet.rollout_to_train_s if c.role is Role.TRAIN else self.w.fleet.train_to_rollout_s))
+        self.reschedule(cid)
+        self.touch(c)
+        self.trainer_update()
+        if c.role is Role.ROLLOUT:
+            self.drain_queue()
+        self.request_decision()
+
+    def on_sample(self) -> None:
+        if self.done:
+            return
+        per_replica = self.tr_rate / max(1, sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching))
+        for c in self.cells:
+            e = self.engines[c.id]
+            n = len(e.heap)
+            if c.switching:
+                tps = 0.0
+            elif c.role is Role.ROLLOUT:
+                tps = n * self.per_seq[n] if n else 0.0
+            else:
+                tps = per_replica if (self.tr_busy and not self.optimizing) else 0.0
+            self.engine_rows.append(EngineRow(self.now, c.id, tps, len(self.queue) if c.role is Role.ROLLOUT else 0,
+                                              n, int(e.ctx)))
+        self.push(self.now + self.w.engine_sample_s, _SAMPLE)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> SimResult:
+        t0 = wallclock.perf_counter()
+        for c in self.cells:
+            self.timeline.append(TimelineRow(0.0, c.id, c.role.value, "start", 0, 0.0, 0, c.kind.value))
+            self.touch(c)
+        # Initial placement: whatever the policy wants before any work exists is where the
+        # cells start (the runtime's config does the same with cells.initial_train), free.
+        self.apply(self.policy(self.cluster_state()), cost=False)
+        for c in self.cells:
+            self.reschedule(c.id)
+        self.trainer_update()
+        self.push(0.0, _SAMPLE)
+        self.push(self.w.decision_interval_s, _DECIDE, 1)
+        self.try_start_batch()
+        handlers = {
+            _ENGINE: lambda a, b: self.on_engine(a, b), _TOOL: lambda a, b: self.on_tool(a),
+            _SWITCH: lambda a, b: self.on_switch(a), _DRAIN: lambda a, b: self.on_drain(a),
+            _OPT: lambda a, b: self.on_opt(), _DECIDE: lambda a, b: self.on_decide(a),
+            _LAUNCH: lambda a, b: self.on_launch(a), _SAMPLE: lambda a, b: self.on_sample(),
+        }
+        events = self.events
+        while events and not self.done:
+            t, _, kind, a, b = heapq.heappop(events)
+            self.now = t
+            self.n_events += 1
+            handlers[kind](a, b)
+        if not self.done:
+            raise SimError(f"policy {self.name!r}: the simulation stalled at t={self.now:.1f}s after "
+                           f"{len(self.step_s)} of {self.w.steps} steps (no trainer, or no engine for queued work)")
+        for c in self.cells:
+            c.acc[c.cat] += self.now - c.since
+            c.since = self.now
+            self.timeline.append(TimelineRow(self.now, c.id, c.role.value, "end", self.version))
+        total = sum(sum(c.acc) for c in self.cells)
+        acc = [sum(c.acc[k] for c in self.cells) for k in range(5)]
+        busy = {"rollout": acc[ROLLOUT_BUSY] / total, "train": acc[TRAIN_BUSY] / total,
+                "switch": acc[SWITCH] / total, "idle": (acc[ROLLOUT_IDLE] + acc[TRAIN_IDLE]) / total}
+        return SimResult(
+            policy=self.name, workload=self.w.name, total_s=self.now, step_s=self.step_s, busy=busy,
+            switches=self.switches, runs_finished=self.runs_finished, runs_cut=self.runs_cut,
+            tokens_trained=sum(self.trained.values()), events=self.n_events,
+            sim_wall_s=wallclock.perf_counter() - t0, timeline=self.timeline, steps=self.steps,
+            engines=self.engine_rows, events_log=self.event_rows)
+
+
+def simulate(w: Workload, policy: Policy, policy_name: str) -> SimResult:
+    return FleetSim(w, policy, policy_name).run()
+
+
+def policy_for(w: Workload, name: str, **params) -> Policy:
+    """The registry's policy, parameterised from the workload where the workload knows better."""
+    from gyre_hpc.sched.registry import get_policy
+    if name == "async":
+        params.setdefault("train_cells", w.async_split())
+        params.setdefault("max_staleness", w.fleet.async_max_staleness)
+    elif name == "elastic":
+        params.setdefault("target_requests_per_engine", w.engine.target_seqs())
+        params.setdefault("default_train_tokens_per_s", w.train.tokens_per_s)
+    return get_policy(name, **params)

@@ -1,0 +1,291 @@
+"""What the simulator simulates: the workload, the engines, the trainer, the fleet.
+
+Every figure is a field of a frozen dataclass with a default, and presets are instances
+of ``Workload``. docs/sim.md gives the source (or the assumption) behind every default of
+the ``paper`` preset. A YAML file (``gyre-hpc sim --workload file.yaml``) overrides fields
+by section, which is how measured parameters of a real run are fed in; unknown keys and
+wrong types fail naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be simulated; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A positive, possibly heavy-tailed quantity.
+
+    ``lognormal``: median and sigma of log. ``pareto``: scale ``median / 2**(1/alpha)`` so
+    the median is as given, tail index ``alpha`` (smaller = heavier). ``fixed``: always the
+    median. ``cap`` truncates (0 = none).
+    """
+    kind: Literal["lognormal", "pareto", "fixed"] = "lognormal"
+    median: float = 1.0
+    sigma: float = 0.5
+    alpha: float = 2.0
+    cap: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("lognormal", "pareto", "fixed"):
+            raise WorkloadError(f"kind={self.kind!r}: valid kinds are lognormal, pareto, fixed")
+        if self.median <= 0:
+            raise WorkloadError(f"median={self.median}: must be > 0")
+        if self.sigma < 0 or self.alpha <= 0 or self.cap < 0:
+            raise WorkloadError(f"sigma={self.sigma}, alpha={self.alpha}, cap={self.cap}: sigma, cap >= 0, alpha > 0")
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.kind == "fixed":
+            x = np.full(n, self.median, dtype=float)
+        elif self.kind == "lognormal":
+            x = self.median * np.exp(self.sigma * rng.standard_normal(n))
+        else:
+            scale = self.median / 2.0 ** (1.0 / self.alpha)
+            x = scale * (1.0 + rng.pareto(self.alpha, n))
+        return np.minimum(x, self.cap) if self.cap > 0 else x
+
+    def mean(self) -> float:
+        """Analytic mean ignoring the cap (the cap only lowers it); used for sizing, not results."""
+        if self.kind == "fixed":
+            return self.median
+        if self.kind == "lognormal":
+            return self.median * math.exp(self.sigma ** 2 / 2)
+        if self.alpha <= 1:
+            return self.cap if self.cap > 0 else math.inf
+        scale = self.median / 2.0 ** (1.0 / self.alpha)
+        m = scale * self.alpha / (self.alpha - 1)
+        return min(m, self.cap) if self.cap > 0 else m
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """One agent run: model calls separated by tool/environment time."""
+    tasks_per_step: int = 4
+    runs_per_task: int = 4                       # G, the advantage group
+    calls: Dist = Dist(median=6, sigma=0.6, cap=40)
+    output_tokens: Dist = Dist(median=200, sigma=0.5)      # generated per call
+    context_tokens: Dist = Dist(median=800, sigma=0.6)     # new prompt tokens per call (tool output, task text)
+    tool_s: Dist = Dist(median=2.0, sigma=0.8)             # environment time after each call
+    timeout_s: float = 600.0                     # wall-clock limit of one run; cut runs are trained as far as they got
+    coarsen: int = 1                             # merge this many consecutive calls into one simulated call
+
+    def __post_init__(self) -> None:
+        if self.tasks_per_step < 1 or self.runs_per_task < 1:
+            raise WorkloadError("run.tasks_per_step and run.runs_per_task must be >= 1")
+        if self.timeout_s <= 0:
+            raise WorkloadError(f"run.timeout_s={self.timeout_s}: must be > 0")
+        if self.coarsen < 1:
+            raise WorkloadError(f"run.coarsen={self.coarsen}: must be >= 1")
+
+    @property
+    def runs_per_step(self) -> int:
+        return self.tasks_per_step * self.runs_per_task
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """Decode speed under batching: each of ``n`` sequences decodes at
+    ``single_seq_tokens_per_s * (1 + half_saturation_seqs) / (n + half_saturation_seqs)``,
+    so throughput rises with ``n`` and saturates at ``single * (1 + half)``."""
+    single_seq_tokens_per_s: float = 50.0
+    half_saturation_seqs: float = 16.0
+    max_seqs: int = 64                   # KV memory: requests beyond this wait in the queue
+    prefill_tokens_per_s: float = 5000.0  # new context tokens ingested per second
+    tolerated_slowdown: float = 0.1      # sizes the elastic target: per-sequence speed may drop this much
+
+    def __post_init__(self) -> None:
+        if self.single_seq_tokens_per_s <= 0 or self.prefill_tokens_per_s <= 0:
+            raise WorkloadError("engine.single_seq_tokens_per_s and engine.prefill_tokens_per_s must be > 0")
+        if self.half_saturation_seqs < 0 or self.max_seqs < 1:
+            raise WorkloadError("engine.half_saturation_seqs must be >= 0 and engine.max_seqs >= 1")
+        if not 0 < self.tolerated_slowdown < 1:
+            raise WorkloadError(f"engine.tolerated_slowdown={self.tolerated_slowdown}: must be in (0, 1)")
+
+    def per_seq_tokens_per_s(self, n: int) -> float:
+        h = self.half_saturation_seqs
+        return self.single_seq_tokens_per_s * (1.0 + h) / (max(n, 1) + h)
+
+    def target_seqs(self) -> int:
+        """Largest batch whose per-sequence speed is within ``tolerated_slowdown`` of batch 1."""
+        h = self.half_saturation_seqs
+        n = math.floor((1.0 + h) / (1.0 - self.tolerated_slowdown) - h + 1e-9)
+        return max(1, min(n, self.max_seqs))
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    tokens_per_s: float = 2000.0     # one replica (cell), trajectory tokens incl. context
+    dp_sync_overhead: float = 0.1    # fraction of replica time spent in gradient all-reduce when > 1 replica
+    optimizer_step_s: float = 5.0    # end of step: optimizer update, checkpoint marker
+    weight_sync_s: float = 2.0       # engines load new weights before a new batch
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_s <= 0:
+            raise WorkloadError(f"train.tokens_per_s={self.tokens_per_s}: must be > 0")
+        if not 0 <= self.dp_sync_overhead < 1:
+            raise WorkloadError(f"train.dp_sync_overhead={self.dp_sync_overhead}: must be in [0, 1)")
+        if self.optimizer_step_s < 0 or self.weight_sync_s < 0:
+            raise WorkloadError("train.optimizer_step_s and train.weight_sync_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    cells: int = 6                          # core cell included; the same GPU budget for every policy
+    rollout_only: int = 0                   # cells that never train
+    rollout_to_train_s: float = 8.5         # switch costs
+    train_to_rollout_s: float = 3.5
+    async_train_cells: int = 0              # 0: the split that balances train and decode work (see docs)
+    async_max_staleness: int = 1
+
+    def __post_init__(self) -> None:
+        if self.cells < 2:
+            raise WorkloadError(f"fleet.cells={self.cells}: need >= 2 (the core cell and an engine)")
+        if not 0 <= self.rollout_only <= self.cells - 1:
+            raise WorkloadError(f"fleet.rollout_only={self.rollout_only}: must be in 0..{self.cells - 1}")
+        if self.rollout_to_train_s < 0 or self.train_to_rollout_s < 0:
+            raise WorkloadError("fleet switch costs must be >= 0")
+        if self.async_train_cells < 0 or self.async_train_cells > self.cells - 1:
+            raise WorkloadError(f"fleet.async_train_cells={self.async_train_cells}: must be in 0..{self.cells - 1}")
+        if self.async_max_staleness < 0:
+            raise WorkloadError(f"fleet.async_max_staleness={self.async_max_staleness}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str = "tiny"
+    steps: int = 4
+    seed: int = 0
+    decision_interval_s: float = 5.0     # the controller re-evaluates the policy this often
+    engine_sample_s: float = 10.0        # one engines-table row per cell this often
+    run: RunShape = RunShape()
+    engine: EngineModel = EngineModel()
+    train: TrainModel = TrainModel()
+    fleet: Fleet = Fleet()
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise WorkloadError(f"steps={self.steps}: must be >= 1")
+        if self.decision_interval_s <= 0 or self.engine_sample_s <= 0:
+            raise WorkloadError("decision_interval_s and engine_sample_s must be > 0")
+
+    # -- sizing figures, derived from the distributions (used for the async split) --
+    def mean_run_tokens(self) -> float:
+        r = self.run
+        return r.calls.mean() * (r.output_tokens.mean() + r.context_tokens.mean())
+
+    def mean_run_decode_work(self) -> float:
+        """Per run, in decode-token equivalents (prefill converted at the engine's speed)."""
+        r, e = self.run, self.engine
+        prefill_equiv = e.single_seq_tokens_per_s / e.prefill_tokens_per_s
+        return r.calls.mean() * (r.output_tokens.mean() + prefill_equiv * r.context_tokens.mean())
+
+    def async_split(self) -> int:
+        """Train cells for the async baseline: the configured split, or the one that gives
+        train and decode work the same share of cell-seconds (each at its sustained speed)."""
+        if self.fleet.async_train_cells:
+            return self.fleet.async_train_cells
+        e = self.engine
+        n = e.target_seqs()
+        engine_tps = n * e.per_seq_tokens_per_s(n)
+        train_s = self.mean_run_tokens() / (self.train.tokens_per_s * (1 - self.train.dp_sync_overhead))
+        decode_s = self.mean_run_decode_work() / engine_tps
+        k = round(self.fleet.cells * train_s / (train_s + decode_s))
+        return int(min(max(k, 1), self.fleet.cells - 1 - self.fleet.rollout_only))
+
+
+PRESETS: dict[str, Workload] = {
+    # Small and fast: tests, the committed sample run, the notebooks.
+    "tiny": Workload(),
+    # The paper's regime (see docs/sim.md for the source of each figure). A cell is one
+    # 8-GPU node serving (TP=8) or training (FSDP) a ~32B dense model.
+    "paper": Workload(
+        name="paper", steps=48, seed=0, decision_interval_s=30.0, engine_sample_s=120.0,
+        run=RunShape(
+            tasks_per_step=32, runs_per_task=8,
+            calls=Dist(median=48, sigma=0.8, cap=600),
+            output_tokens=Dist(median=700, sigma=0.7),
+            context_tokens=Dist(median=7000, sigma=0.8),
+            tool_s=Dist(median=12.0, sigma=1.0),
+            timeout_s=7200.0, coarsen=6),
+        engine=EngineModel(single_seq_tokens_per_s=60.0, half_saturation_seqs=100.0, max_seqs=256,
+                           prefill_tokens_per_s=20000.0, tolerated_slowdown=0.1),
+        train=TrainModel(tokens_per_s=5000.0, dp_sync_overhead=0.1, optimizer_step_s=30.0, weight_sync_s=20.0),
+        fleet=Fleet(cells=64, rollout_to_train_s=8.5, train_to_rollout_s=3.5, async_max_staleness=1),
+    ),
+}
+
+
+def preset(name: str) -> Workload:
+    if name not in PRESETS:
+        raise WorkloadError(f"unknown workload preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def override(base: Any, data: dict[str, Any], where: str = "workload") -> Any:
+    """``base`` (a dataclass) with the fields in ``data`` replaced, recursively, by section."""
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    changes: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{where}.{key}"
+        if key not in fields:
+            raise WorkloadError(f"{name}: unknown key; valid keys here: {', '.join(sorted(fields))}")
+        current = getattr(base, key)
+        if dataclasses.is_dataclass(current):
+            changes[key] = override(current, value, name)
+        elif isinstance(current, bool) or not isinstance(current, (int, float, str)):
+            changes[key] = value
+        elif isinstance(current, str):
+            if not isinstance(value, str):
+                raise WorkloadError(f"{name}: expected a string, got {value!r}")
+            changes[key] = value
+        elif isinstance(current, int) and not isinstance(value, bool) and isinstance(value, int):
+            changes[key] = value
+        elif isinstance(current, float) and not isinstance(value, bool) and isinstance(value, (int, float)):
+            changes[key] = float(value)
+        else:
+            raise WorkloadError(f"{name}: expected {type(current).__name__}, got {value!r}")
+    try:
+        return dataclasses.replace(base, **changes)
+    except WorkloadError as exc:
+        raise WorkloadError(f"{where}: {exc}") from None
+
+
+def load_workload(path: str | Path | None = None, preset_name: str = "tiny",
+                  overrides: dict[str, Any] | None = None) -> Workload:
+    """A preset, then the YAML file's fields (it may name its own ``preset``), then ``overrides``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise WorkloadError(f"workload file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise WorkloadError(f"workload file {p} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise WorkloadError(f"workload file {p}: top level must be a mapping, got {type(loaded).__name__}")
+        data = dict(loaded)
+        preset_name = data.pop("preset", preset_name)
+    try:
+        w = override(preset(preset_name), data)
+        return override(w, overrides or {})
+    except WorkloadError as exc:
+        raise WorkloadError(f"{path}: {exc}" if path is not None else str(exc)) from None
+
+
+def to_dict(w: Workload) -> dict[str, Any]:
+    return dataclasses.asdict(w)
