@@ -7,10 +7,12 @@ kernels implement it behind one switch (``train.attention``):
   interval test; blocks of the mask that are all False are skipped entirely, so the cost
   follows the tree, not T^2. The GPU path. (torch 2.13 on CPU runs its forward but its
   backward raises NotImplementedError.)
-* ``sdpa``: ``scaled_dot_product_attention`` with a boolean mask built per block of
-  queries, so at most ``block x T`` mask entries exist at once, never T x T. Each block
-  runs under activation checkpointing so the backward pass rebuilds its mask instead of
-  keeping every block's mask alive (which would add up to T^2/2 again). The CPU path.
+* ``sdpa``: ``scaled_dot_product_attention`` per block of queries, over only the keys
+  that block can reach (its ancestors and itself, gathered), with a boolean mask of
+  ``block x K`` entries, K ~ path depth + block: never T x T, and the cost follows the
+  tree rather than the row length. Each block runs under activation checkpointing so the
+  backward pass rebuilds its mask and gathered keys instead of keeping every block's
+  alive (which would add up to T^2/2 again). The CPU path.
 * ``auto``: flex on CUDA, sdpa elsewhere.
 
 Both are ``attention_fn(q, k, v)`` objects for :class:`gyre_hpc.models.tiny_lm.TinyLM`,
@@ -43,42 +45,79 @@ def resolve_backend(backend: str, device: torch.device | str, needs_grad: bool =
     return backend
 
 
-def tree_mask_block(subtree_end: torch.Tensor, q_start: int, q_end: int) -> torch.Tensor:
-    """Bool mask [B, 1, q_end-q_start, q_end] for queries [q_start, q_end) over keys [0, q_end).
+def tree_key_index(subtree_end: torch.Tensor, q_start: int, q_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys some query in [q_start, q_end) may see, as indices [B, K] and a validity mask.
 
-    Keys at or past ``q_end`` are never visible to these queries (kv <= q), so they are
-    not part of the block at all.
+    kv is visible to some q in the block iff kv < q_end and subtree_end[kv] > q_start (its
+    subtree reaches into the block). That is the block's ancestors plus the block itself, so
+    K is about path depth + block size however long the row is: attention cost follows the
+    tree, not the row length. Rows with fewer keys are padded (index 0, valid False).
+    """
+    reach = subtree_end[:, :q_end] > q_start
+    counts = reach.sum(dim=1)
+    n_keys = int(counts.max())
+    # A stable sort on "not reachable" lists the reachable keys first, in row order.
+    index = torch.sort((~reach).to(torch.int8), dim=1, stable=True).indices[:, :n_keys]
+    valid = torch.arange(n_keys, device=subtree_end.device)[None, :] < counts[:, None]
+    return index, valid
+
+
+def tree_mask_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
+                    key_index: torch.Tensor | None = None, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask [B, 1, q_end-q_start, K] for queries [q_start, q_end).
+
+    Without ``key_index`` the keys are [0, q_end) (keys past the block's last query are
+    never visible, kv <= q); with it, only the keys :func:`tree_key_index` selected.
     """
     q = torch.arange(q_start, q_end, device=subtree_end.device)[:, None]
-    kv = torch.arange(q_end, device=subtree_end.device)[None, :]
-    visible = (kv <= q) & (q < subtree_end[:, None, :q_end])
+    if key_index is None:
+        kv = torch.arange(q_end, device=subtree_end.device)[None, None, :]
+        end = subtree_end[:, None, :q_end]
+    else:
+        kv = key_index[:, None, :]
+        end = subtree_end.gather(1, key_index)[:, None, :]
+    visible = (kv <= q) & (q < end)
+    if key_valid is not None:
+        visible &= key_valid[:, None, :]
     return visible[:, None]
 
 
-def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
-                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=tree_mask_block(subtree_end, q_start, q_end))
+def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int, key_index: torch.Tensor,
+                  key_valid: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    B, H, _, D = k.shape
+    gather = key_index[:, None, :, None].expand(B, H, key_index.shape[1], D)
+    mask = tree_mask_block(subtree_end, q_start, q_end, key_index, key_valid)
+    return F.scaled_dot_product_attention(q, k.gather(2, gather), v.gather(2, gather), attn_mask=mask)
 
 
 class SdpaTreeAttention:
-    """Query-blocked SDPA with the interval mask; records the largest mask block it built."""
+    """Query-blocked SDPA over each block's reachable keys; records the largest mask block."""
 
     def __init__(self, subtree_end: torch.Tensor, block: int = 256, recompute_masks: bool = True):
         if block < 1:
             raise ValueError(f"SdpaTreeAttention block={block} must be >= 1")
         self.subtree_end, self.block, self.recompute_masks = subtree_end, block, recompute_masks
         self.largest_mask_block: tuple[int, ...] = ()
+        L = subtree_end.shape[1]
+        # Key selection depends only on the row layout: once per batch, shared by all layers.
+        self._blocks = []
+        for qs in range(0, L, block):
+            qe = min(L, qs + block)
+            index, valid = tree_key_index(subtree_end, qs, qe)
+            self._blocks.append((qs, qe, index, valid))
+            shape = (subtree_end.shape[0], 1, qe - qs, index.shape[1])
+            if not self.largest_mask_block or shape[2] * shape[3] > self.largest_mask_block[2] * self.largest_mask_block[3]:
+                self.largest_mask_block = shape
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         L = q.shape[2]
-        if k.shape[2] != L:
-            raise ValueError(f"tree attention expects no KV cache: {L} queries, {k.shape[2]} keys")
+        if k.shape[2] != L or L != self.subtree_end.shape[1]:
+            raise ValueError(
+                f"tree attention expects no KV cache and {self.subtree_end.shape[1]} tokens: "
+                f"got {L} queries, {k.shape[2]} keys")
         outs = []
-        for qs in range(0, L, self.block):
-            qe = min(L, qs + self.block)
-            self.largest_mask_block = max(self.largest_mask_block, (self.subtree_end.shape[0], 1, qe - qs, qe),
-                                          key=lambda s: s[2] * s[3] if s else 0)
-            args = (self.subtree_end, qs, qe, q[:, :, qs:qe], k[:, :, :qe], v[:, :, :qe])
+        for qs, qe, index, valid in self._blocks:
+            args = (self.subtree_end, qs, qe, index, valid, q[:, :, qs:qe], k[:, :, :qe], v[:, :, :qe])
             if self.recompute_masks and torch.is_grad_enabled():
                 outs.append(checkpoint(_attend_block, *args, use_reentrant=False))
             else:

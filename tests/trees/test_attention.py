@@ -6,7 +6,7 @@ import torch
 
 from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.trees.attention import (FlexTreeAttention, SdpaTreeAttention, resolve_backend, tree_attention,
-                                      tree_mask_block)
+                                      tree_key_index, tree_mask_block)
 from gyre_hpc.trees.builder import build_tree
 from gyre_hpc.trees.loss import StepWeights, packed_loss
 from gyre_hpc.trees.packing import collate, pack
@@ -26,17 +26,21 @@ def _dense_tree_mask(subtree_end):
     return ((kv <= q) & (q < subtree_end[:, None, :]))[:, None]
 
 
-def test_mask_blocks_are_block_by_prefix_never_dense(make_journal):
-    _, _, batch = _batch(make_journal, row_tokens=300)
+def test_mask_blocks_cover_reachable_keys_only_never_dense(make_journal):
+    trees, _, batch = _batch(make_journal, row_tokens=1200, n_rows=2)
     B, L = batch.shape
-    attn = SdpaTreeAttention(batch.subtree_end, block=64)
-    model = build_model("tiny")
-    model(batch.input_ids, batch.position_ids, attention_fn=attn)
-    assert L == 300
-    # Largest block: 64 queries [192, 256) x keys [0, 256); the tail block is 44 x 300.
-    assert attn.largest_mask_block == (B, 1, 64, 256)
-    first = tree_mask_block(batch.subtree_end, 0, 64)
-    assert first.shape == (B, 1, 64, 64)  # keys past the block's last query are never visible
+    attn = SdpaTreeAttention(batch.subtree_end, block=64)  # blocks are planned once per batch
+    deepest = max(t.path(c).size for t in trees for c in range(t.n_paths))
+    _, _, q_block, n_keys = attn.largest_mask_block
+    assert L == 1200 and q_block == 64
+    assert n_keys <= deepest + 64 < L  # ancestors + the block, not the row
+    # Without key selection a block spans keys [0, q_end): still never T x T.
+    assert tree_mask_block(batch.subtree_end, 0, 64).shape == (B, 1, 64, 64)
+    index, valid = tree_key_index(batch.subtree_end, 1100, 1164)
+    for b in range(B):  # selected keys are exactly those some query of the block sees
+        dense = _dense_tree_mask(batch.subtree_end[b:b + 1])[0, 0, 1100:1164]
+        seen = torch.nonzero(dense.any(0)).flatten().tolist()
+        assert index[b][valid[b]].tolist() == seen
 
 
 def test_sdpa_tree_attention_equals_dense_masked_attention(make_journal):
