@@ -106,6 +106,9 @@ class RunConfig(_Section):
     name: str = "gyre"
     run_dir: str = "runs/gyre"
     launcher: Literal["local", "slurm"] = "local"
+    # What the cells compute: "substrate" moves real tensors with a stand-in model (the
+    # Slurm/MPI smoke tests); "rl" is the real thing: engines, harnesses, trees, training.
+    workload: Literal["substrate", "rl"] = "substrate"
     seed: int = 0
     cells: CellPlan = Field(default_factory=CellPlan)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
