@@ -11,6 +11,7 @@ Two mechanisms, because they guard different doors:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -74,9 +75,17 @@ class CommandResult:
         return text + ("" if self.returncode is None else f"\n[exit {self.returncode}]")
 
 
+@functools.lru_cache(maxsize=1)
 def isolation_mode() -> str:
-    """``root`` (namespaces + unprivileged uid) when we can drop privileges, else ``plain``."""
-    return "root" if os.geteuid() == 0 else "plain"
+    """``root`` (jail + uid drop) as root; ``userns`` (jail in a user namespace) when the
+    kernel lets this user make one; else ``plain`` (rlimits and a scrubbed env only)."""
+    if os.geteuid() == 0:
+        return "root"
+    probe = subprocess.run(
+        [sys.executable, "-I", "-S", "-c",
+         "import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0)"],
+        env={"PATH": SANDBOX_PATH}, capture_output=True)
+    return "userns" if probe.returncode == 0 else "plain"
 
 
 def sandbox_uid(workspace: Path) -> int:
@@ -96,7 +105,7 @@ def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
     if not ws.is_dir():
         raise FileNotFoundError(f"workspace {ws} is not a directory")
     mode = isolation_mode()
-    home = "/tmp/workspace" if mode == "root" else str(ws)
+    home = str(ws) if mode == "plain" else "/tmp/workspace"
     spec = {"mode": mode, "workspace": str(ws), "command": command, "env": sandbox_env(home),
             "uid": sandbox_uid(ws),
             "limits": {k: getattr(limits, k) for k in ("cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile")}}

@@ -16,8 +16,13 @@ Mode ``root`` (the harness runs as root, as on this machine and in many containe
      fork bomb; the uid is derived from the workspace path so concurrent runs do not
      share one NPROC budget;
   5. rlimits (CPU, AS, FSIZE, NPROC, NOFILE), cwd ``/tmp/workspace``, the scrubbed env.
-Mode ``plain`` (not root: no uid to drop to): rlimits, new session, scrubbed env only;
-see docs/harness.md for what that does not stop.
+Mode ``userns`` (not root, unprivileged user namespaces allowed, as on most clusters):
+  the same jail built inside a new user namespace that maps only the caller's own uid to
+  itself: the setup runs with the namespace's capabilities, and ``execve`` as a non-zero
+  uid drops them, so the command cannot remount anything; RLIMIT_NPROC counts the
+  caller's own processes (set it above what the user already runs).
+Mode ``plain`` (no namespaces at all): rlimits, new session, scrubbed env only; see
+docs/harness.md for what that does not stop.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import os
 import resource
 import sys
 
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -68,6 +74,17 @@ def _mounts():
     return out
 
 
+def _enter_user_namespace():
+    uid, gid = os.getuid(), os.getgid()
+    _unshare(CLONE_NEWUSER)
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{uid} {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{gid} {gid} 1")
+
+
 def _build_jail(workspace):
     _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -104,7 +121,10 @@ def _set_limits(limits):
 def main() -> None:
     spec = json.loads(sys.argv[1])
     env = spec["env"]
-    if spec["mode"] == "root":
+    mode = spec["mode"]
+    if mode in ("root", "userns"):
+        if mode == "userns":
+            _enter_user_namespace()
         _build_jail(spec["workspace"])
         pid = os.fork()  # the child is PID 1 of the new PID namespace
         if pid:
@@ -114,13 +134,14 @@ def main() -> None:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         except OSError:
             pass  # the PID namespace still bounds the process tree; /proc then shows host pids
-        uid = gid = spec["uid"]
-        _chown_tree(JAIL_WORKSPACE, uid, gid)
         os.chdir(JAIL_WORKSPACE)
         _set_limits(spec["limits"])
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
+        if mode == "root":
+            uid = gid = spec["uid"]
+            _chown_tree(JAIL_WORKSPACE, uid, gid)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
     else:
         os.chdir(spec["workspace"])
         _set_limits(spec["limits"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +33,23 @@ def _procs_of_uid(uid: int, settle_s: float = 3.0) -> list[int]:
         pids = _scan_uid(uid)
         if not pids or time.monotonic() > deadline:
             return pids
+        time.sleep(0.05)
+
+
+def _procs_running(cmdline_part: bytes, settle_s: float = 3.0) -> list[int]:
+    """Live processes whose command line holds ``cmdline_part`` (after a teardown settles)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    if cmdline_part in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        found.append(int(pid))
+                except OSError:
+                    pass
+        if not found or time.monotonic() > deadline:
+            return found
         time.sleep(0.05)
 
 
@@ -124,15 +142,9 @@ def test_never_returning_command_is_killed_with_its_children(ws):
     assert time.monotonic() - t0 < 5
     if isolation_mode() == "root":
         assert _procs_of_uid(sandbox_uid(ws)) == []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            assert b"sleep\x00300" not in cmd and b"sleep\x00302" not in cmd
-            if isolation_mode() == "root":
-                assert b"sleep\x00301" not in cmd
+    assert _procs_running(b"sleep\x00300") == [] and _procs_running(b"sleep\x00302") == []
+    if isolation_mode() != "plain":
+        assert _procs_running(b"sleep\x00301") == []   # setsid does not leave the PID namespace
 
 
 @needs_root
@@ -166,3 +178,46 @@ def test_huge_file_is_cut_at_the_file_size_limit(ws):
 def test_memory_hog_hits_address_space_limit(ws):
     r = run_confined("python3 -c 'x = bytearray(2_000_000_000)'", ws, Limits(address_space_mb=256))
     assert not r.ok and b"MemoryError" in r.output
+
+
+_AS_USER_SCRIPT = r'''
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+from gyre_hpc.harness.confine import Limits, isolation_mode, run_confined
+ws, open_dir = sys.argv[2], sys.argv[3]
+print("mode", isolation_mode())
+remount = "python3 -c 'import ctypes; print(\"remount\", ctypes.CDLL(None).mount(None, b\"/\", None, 32 | 4096, None))'"
+r = run_confined("id -u; echo a > in.txt; echo b > ../esc.txt; echo c > " + open_dir + "/esc.txt; " + remount +
+                 "; sleep 300 & setsid sleep 303 & true", ws, Limits(wall_s=5))
+sys.stdout.write(r.output.decode())
+'''
+
+
+@needs_root
+def test_non_root_user_gets_the_jail_through_a_user_namespace(tmp_path):
+    """Run the harness side itself as an unprivileged user (as on a cluster) and escape-test."""
+    if not (Path("/usr/bin/python3").exists() and shutil.which("setpriv")):
+        pytest.skip("needs /usr/bin/python3 and setpriv to act as an unprivileged user")
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-userns-"))
+    try:
+        base.chmod(0o755)
+        ws, open_dir = base / "ws", base / "open"
+        ws.mkdir()
+        open_dir.mkdir(mode=0o777)
+        open_dir.chmod(0o777)
+        os.chown(ws, 65534, 65534)
+        repo = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              "/usr/bin/python3", "-I", "-c", _AS_USER_SCRIPT, str(repo), str(ws), str(open_dir)],
+                             capture_output=True, text=True, timeout=60)
+        if "mode userns" not in out.stdout:
+            pytest.skip(f"this kernel gives no user namespaces to unprivileged users: {out.stdout}{out.stderr}")
+        assert "65534" in out.stdout.splitlines()[1]
+        assert (ws / "in.txt").read_text() == "a\n"
+        assert out.stdout.count("Read-only file system") == 2, out.stdout
+        assert not (base / "esc.txt").exists() and list(open_dir.iterdir()) == []
+        assert "remount -1" in out.stdout      # capabilities are gone after exec
+        assert _procs_running(b"sleep\x00303") == []   # the PID namespace took the background sleeps
+        assert _procs_running(b"sleep\x00300") == []
+    finally:
+        shutil.rmtree(base)

@@ -28,6 +28,9 @@ from scripted import HI_TASK, ScriptClient
 
 CFG = HarnessConfig(max_new_tokens=24, context_limit=270)
 
+# Training the model in the fixture takes ~10 s alone and ~20 s on a busy 2-core machine.
+pytestmark = pytest.mark.slow
+
 
 def _teacher_calls(tmp_path_factory):
     d = tmp_path_factory.mktemp("teacher")
