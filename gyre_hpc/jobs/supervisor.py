@@ -28,7 +28,7 @@ from gyre_hpc.config import RunConfig
 from gyre_hpc.jobs.launchers import FleetHandle, Launcher, LaunchError
 from gyre_hpc.jobs.plan import FleetPlan
 from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import MetricsWriter
+from gyre_hpc.rundir.metrics import MetricsWriter, recover_unclosed
 
 EXIT_DONE = 0
 EXIT_CHECKPOINTED = 75
@@ -222,5 +222,8 @@ class Supervisor:
         return SupervisorResult("failed", 1, self.launches, step, message)
 
     def event(self, name: str, step: int | None, detail: str) -> None:
+        # Only ever called while no fleet runs, so an unclosed file means a killed writer.
+        if recover_unclosed(self.run.metrics):
+            self.log(f"{self.run.metrics.name} was left open by a killed writer; rewrote it, rows kept")
         with MetricsWriter(self.run.metrics) as metrics:
             metrics.event(name, -1 if step is None else step, detail)

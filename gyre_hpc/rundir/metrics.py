@@ -8,6 +8,7 @@ The simulator writes the same schema, so analysis code cannot tell the two apart
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -158,3 +159,35 @@ def read_table(path: str | Path, table: str) -> dict[str, np.ndarray]:
 
 def row_fields(row_type: type) -> list[str]:
     return [f.name for f in fields(row_type)]
+
+
+def recover_unclosed(path: str | Path) -> bool:
+    """Make a file whose writer was killed writable again; True when it had to.
+
+    A writer killed mid-run (a scancel'd fleet step) leaves HDF5's SWMR-write flag set in the
+    superblock, and HDF5 then refuses every later writer ("file is already open for write";
+    h5clear is not always installed). SWMR readers still open such a file, so every table and
+    attribute is copied into a fresh file that replaces it: no row already stored is lost.
+    Call it only while no writer runs: a live SWMR writer looks exactly like a dead one.
+    """
+    path = Path(path)
+    if not path.exists():
+        return False
+    try:
+        with h5py.File(path, "r"):
+            return False
+    except OSError as exc:
+        if "already open for write" not in str(exc):
+            raise
+    with h5py.File(path, "r", libver="latest", swmr=True) as src:
+        attrs = dict(src.attrs)
+    tables = {table: read_table(path, table) for table in TABLES}
+    tmp = path.with_name(path.name + ".recovering")
+    tmp.unlink(missing_ok=True)
+    row_types = {table: row_type for row_type, table in _ROW_TABLE.items()}
+    with MetricsWriter(tmp, attrs=attrs) as writer:
+        for table, cols in tables.items():
+            n = len(cols[TABLES[table][0][0]])
+            writer.append(row_types[table](**{c: cols[c][i] for c, _ in TABLES[table]}) for i in range(n))
+    os.replace(tmp, path)
+    return True

@@ -1,0 +1,82 @@
+"""``gyre-hpc run`` (the head in the foreground) and ``gyre-hpc submit`` (the head as a Slurm job)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from gyre_hpc.config import ConfigError, RunConfig, load_config
+
+_set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                           help="override a config field, e.g. --set cells.count=4 (repeatable)")
+
+
+def _load(config: str, overrides: tuple[str, ...]) -> RunConfig:
+    try:
+        return load_config(config, list(overrides))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@_set_option
+def run(config: str, overrides: tuple[str, ...]) -> None:
+    """Run the head job here: launch the fleet, supervise it, print where outputs are."""
+    from gyre_hpc.jobs.head import run_head
+    from gyre_hpc.rundir.layout import RunDir
+
+    cfg = _load(config, overrides)
+    result = run_head(cfg)
+    run_dir = RunDir.at(cfg.run_dir)
+    click.echo(f"{result.status}: {result.message}")
+    click.echo(f"outputs in {run_dir.root}:")
+    for label, path in (("metrics", run_dir.metrics), ("checkpoints", run_dir.checkpoints),
+                        ("trees", run_dir.trees), ("logs", run_dir.logs)):
+        if path.exists():
+            click.echo(f"  {label:<12} {path}")
+    click.echo(f"summary: gyre-hpc inspect {run_dir.root}")
+    sys.exit(result.exit_code)
+
+
+@click.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--sbatch", "use_sbatch", is_flag=True,
+              help="submit a generated het-job script with sbatch instead of through submitit")
+@click.option("--wait", is_flag=True, help="wait for the head job and print its result (submitit)")
+def submit(config: str, overrides: tuple[str, ...], use_sbatch: bool, wait: bool) -> None:
+    """Submit the head job to Slurm (submitit by default)."""
+    from gyre_hpc.rundir.layout import RunDir
+
+    cfg = _load(config, overrides).model_copy(update={"launcher": "slurm"})
+    run_dir = RunDir.at(cfg.run_dir).make()
+    cfg = cfg.model_copy(update={"run_dir": str(run_dir.root)})
+    if use_sbatch:
+        job_id, script = submit_sbatch(cfg, run_dir.root)
+        click.echo(f"submitted het job {job_id} ({script}); outputs in {run_dir.root}")
+        return
+    from gyre_hpc.jobs.submit import submit as submit_job
+
+    job = submit_job(cfg)
+    click.echo(f"submitted job {job.job_id} (submitit folder {run_dir.root / 'submitit'}); outputs in {run_dir.root}")
+    if wait:
+        click.echo(str(job.task(0).result()))
+
+
+def submit_sbatch(cfg: RunConfig, run_root: Path) -> tuple[str, Path]:
+    """Write the het-job script for this config's shape and the resolved config, then sbatch them."""
+    from gyre_hpc.jobs.sbatch_script import render_head_script
+
+    script = run_root / "gyre_head.sh"
+    script.write_text(render_head_script(cfg, output=str(run_root / "logs" / "head-%j.out")))
+    script.chmod(0o755)
+    submitted = run_root / "submitted.yaml"
+    submitted.write_text(cfg.to_yaml())
+    out = subprocess.run(["sbatch", "--parsable", str(script), str(submitted)],
+                         capture_output=True, text=True, cwd=Path.cwd())
+    if out.returncode != 0:
+        raise click.ClickException(f"sbatch failed: {out.stderr.strip()}")
+    return out.stdout.strip().split(";")[0], script

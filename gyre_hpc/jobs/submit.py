@@ -1,0 +1,96 @@
+"""``gyre_hpc.submit(cfg)``: the head job through submitit, from a Python session or notebook.
+
+submitit has no heterogeneous jobs, so the allocation is plain (one node per cell, plus one
+for the head when ``spare_head_node``) and the fleet becomes a heterogeneous *step* over it
+(see plan.plan_for_nodes). Settings that make signals and requeue work, each learned the hard
+way and recorded in design.md:
+
+- ``use_srun=False``: the head runs once, in the batch step, so it can start its own steps;
+- ``python="exec <python>"`` and ``--signal=B:USR2@s``: the batch shell becomes python and the
+  warning signal reaches it, so submitit's handler calls ``HeadJob.checkpoint``;
+- ``HeadJob.checkpoint`` drains the fleet (control file, exit 75) *before* returning the
+  DelayedSubmission that submitit pickles and requeues: the next start resumes from it.
+
+Collect with ``job.task(0).result()``: ``job.results()`` waits for every task.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import submitit
+from submitit.helpers import Checkpointable, DelayedSubmission
+
+from gyre_hpc.config import RunConfig, build_config
+from gyre_hpc.rundir.layout import RunDir
+
+
+class HeadJob(Checkpointable):
+    """The head as a submitit callable; holds only the config text so it pickles cleanly."""
+
+    def __init__(self, config_yaml: str):
+        self.config_yaml = config_yaml
+        self._supervisor = None
+
+    def config(self) -> RunConfig:
+        import yaml
+        return build_config(yaml.safe_load(self.config_yaml), source="submitted config")
+
+    def __call__(self) -> dict:
+        from gyre_hpc.jobs.head import make_supervisor
+
+        cfg = self.config()
+        # submitit owns USR2 (it calls checkpoint()); SIGTERM it bypasses. Requeue is submitit's
+        # job too, so the supervisor gets no requeue function of its own.
+        sup = make_supervisor(cfg)
+        sup.requeue = None
+        self._supervisor = sup
+        sup.log(f"submitit head: run dir {sup.run.root}, {sup.plan.world_size} ranks")
+        result = sup.run_fleet()
+        if result.status == "failed":
+            raise RuntimeError(result.message)
+        return result.to_dict()
+
+    def checkpoint(self, *args, **kwargs) -> DelayedSubmission:
+        if self._supervisor is not None:
+            self._supervisor.drain("USR2 (submitit)", requeue=True)
+        return DelayedSubmission(HeadJob(self.config_yaml))
+
+    def __getstate__(self) -> dict:
+        return {"config_yaml": self.config_yaml}
+
+    def __setstate__(self, state: dict) -> None:
+        self.config_yaml = state["config_yaml"]
+        self._supervisor = None
+
+
+def executor_for(cfg: RunConfig, folder: Path, python: str = sys.executable,
+                 spare_head_node: bool = True) -> submitit.SlurmExecutor:
+    c = cfg.cells
+    nodes = c.count * c.nodes_per_cell + (1 if spare_head_node else 0)
+    ex = submitit.SlurmExecutor(folder=str(folder), python=f"exec {python}")
+    extra: dict = {"requeue": True, "signal": f"B:USR2@{cfg.slurm.signal_s}"}
+    if cfg.slurm.account:
+        extra["account"] = cfg.slurm.account
+    params = dict(
+        job_name=cfg.name, time=cfg.slurm.time_min, nodes=nodes, ntasks_per_node=1,
+        cpus_per_task=max(cfg.slurm.head_cpus, c.ranks_per_cell * c.cpus_per_rank),
+        signal_delay_s=cfg.slurm.signal_s, use_srun=False, additional_parameters=extra,
+    )
+    if cfg.slurm.partition:
+        params["partition"] = cfg.slurm.partition
+    if c.mem_per_cell_mb:
+        params["mem"] = f"{c.mem_per_cell_mb}M"
+    ex.update_parameters(**params)
+    return ex
+
+
+def submit(cfg: RunConfig, folder: str | Path | None = None, spare_head_node: bool = True) -> submitit.Job:
+    """Submit the head job; returns the submitit Job (``job.task(0).result()`` waits for it)."""
+    if cfg.launcher != "slurm":
+        cfg = cfg.model_copy(update={"launcher": "slurm"})
+    run = RunDir.at(cfg.run_dir).make()
+    cfg = cfg.model_copy(update={"run_dir": str(run.root)})
+    folder = Path(folder) if folder is not None else run.root / "submitit"
+    ex = executor_for(cfg, folder, spare_head_node=spare_head_node)
+    return ex.submit(HeadJob(cfg.to_yaml()))

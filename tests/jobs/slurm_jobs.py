@@ -1,0 +1,100 @@
+"""Polling helpers for tests that drive real Slurm jobs (no sacct here: scontrol only)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from gyre_hpc.rundir.metrics import read_table
+
+REPO = Path(__file__).resolve().parents[2]
+DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def sbatch(*args: str, cwd: Path = REPO) -> str:
+    out = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """The het leader's (or plain job's) fields from ``scontrol show job -o``."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.splitlines()[0]
+    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line))
+
+
+def wait_job(job_id: str, timeout: float, until=lambda info: info["JobState"] in DONE_STATES, log: Path | None = None) -> dict:
+    deadline = time.monotonic() + timeout
+    info = {}
+    while time.monotonic() < deadline:
+        info = job_info(job_id)
+        if until(info):
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id])
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s\n{tail}")
+
+
+def release_requeued(job_id: str) -> None:
+    """Slurm holds a requeued batch job ~2 min (EligibleTime); tests need not wait that out."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, capture_output=True)
+
+
+def wait_for(predicate, timeout: float, what: str, job_id: str | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if job_id is not None and job_info(job_id)["JobState"] in DONE_STATES:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"job {job_id} ended while waiting for {what}\n{tail}")
+        time.sleep(0.2)
+    if job_id:
+        subprocess.run(["scancel", job_id])
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    latest = run_dir / "checkpoints" / "latest"
+    if not latest.is_file():
+        return 0
+    meta = run_dir / "checkpoints" / latest.read_text().strip() / "meta.json"
+    try:
+        return json.loads(meta.read_text())["step"]
+    except (OSError, ValueError):
+        return 0
+
+
+def fleet_step(run_dir: Path, launch: int) -> str | None:
+    """The Slurm step id of fleet launch number ``launch`` once the supervisor has seen it."""
+    p = run_dir / "logs" / "fleet.json"
+    try:
+        info = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return info["step_id"] if info["launch"] == launch else None
+
+
+def events(run_dir: Path) -> list[tuple[str, int, str]]:
+    t = read_table(run_dir / "metrics.h5", "events")
+    return list(zip(t["event"], (int(s) for s in t["step"]), t["detail"]))
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [int(s) for s in read_table(run_dir / "metrics.h5", "steps")["step"]]
+
+
+def flips(run_dir: Path) -> dict[int, list[str]]:
+    """Per cell, the roles it completed flips into, in order."""
+    t = read_table(run_dir / "metrics.h5", "timeline")
+    out: dict[int, list[str]] = {}
+    for cell, role, event in zip(t["cell"], t["role"], t["event"]):
+        if event == "flip_end":
+            out.setdefault(int(cell), []).append(role)
+    return out

@@ -1,0 +1,100 @@
+"""The head job on the real local Slurm cluster, running the real fleet on examples/smoke.yaml.
+
+sbatch het job -> supervisor -> one het step `srun --het-group` -> `python -m gyre_hpc.cells`.
+Kill a step, kill it too often, USR2 the batch step: each must end in the state the contract
+promises, read back from Slurm (scontrol) and from the run's metrics.h5.
+"""
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+
+import pytest
+
+from tests.jobs.slurm_jobs import (checkpoint_step, events, flips, fleet_step, job_info, release_requeued, sbatch,
+                                   steps, wait_for, wait_job)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SCRIPT = "sbatch/gyre_head.sh"
+SMOKE = "examples/smoke.yaml"
+
+
+def _submit(tmp_path, *overrides: str) -> tuple[str, object, object]:
+    run_dir = tmp_path / "run"
+    out = tmp_path / "head.out"
+    sets = [a for o in (f"run_dir={run_dir}", *overrides) for a in ("--set", o)]
+    job = sbatch("-o", str(out), SCRIPT, SMOKE, *sets)
+    return job, run_dir, out
+
+
+def _names(run_dir) -> list[str]:
+    return [e for e, _, _ in events(run_dir)]
+
+
+def test_sbatch_smoke_finishes_with_cells_flipping_both_ways(tmp_path):
+    job, run_dir, out = _submit(tmp_path)
+    info = wait_job(job, 240, log=out)
+    assert info["JobState"] == "COMPLETED", out.read_text()
+    assert info["ExitCode"] == "0:0"
+    assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    by_cell = flips(run_dir)
+    for cell in (1, 2):  # the elastic cells; cell 0 is the core and always trains
+        roles = by_cell[cell]
+        assert roles.count("TRAIN") >= 2 and roles.count("ROLLOUT") >= 2, roles
+        assert all(a != b for a, b in zip(roles, roles[1:])), f"cell {cell} did not alternate: {roles}"
+    names = _names(run_dir)
+    assert names[0] == "launch" and names[-1] == "finish"
+    assert "relaunch" not in names
+    assert "finished 6 steps in 1 launch" in out.read_text()
+
+
+def test_killed_step_is_relaunched_from_the_last_checkpoint(tmp_path):
+    job, run_dir, out = _submit(tmp_path, "train.steps=30")
+    step_id = wait_for(lambda: fleet_step(run_dir, 1), 120, "the first fleet step", job, out)
+    wait_for(lambda: checkpoint_step(run_dir) >= 2, 120, "a checkpoint of step 2", job, out)
+    subprocess.run(["scancel", step_id], check=True)
+    info = wait_job(job, 300, log=out)
+    assert info["JobState"] == "COMPLETED", out.read_text()
+    names = _names(run_dir)
+    assert names.count("relaunch") == 1, names
+    resumed = [s for e, s, _ in events(run_dir) if e == "fleet_resume"]
+    assert len(resumed) == 1 and resumed[0] >= 3  # resumed after a checkpoint, not from scratch
+    counts = Counter(steps(run_dir))
+    assert sorted(counts) == list(range(1, 31))
+    assert set(counts.values()) == {1}, {s: n for s, n in counts.items() if n > 1}
+
+
+def test_too_many_killed_steps_fail_the_job_with_a_clear_message(tmp_path):
+    job, run_dir, out = _submit(tmp_path, "train.steps=500", "supervise.max_relaunches=1")
+    for launch in (1, 2):
+        step_id = wait_for(lambda: fleet_step(run_dir, launch), 120, f"fleet launch {launch}", job, out)
+        subprocess.run(["scancel", step_id], check=True)
+    info = wait_job(job, 120, log=out)
+    assert info["JobState"] == "FAILED", out.read_text()
+    assert info["ExitCode"] == "1:0"
+    text = out.read_text()
+    assert "FAILED: fleet failed 2 times, more than supervise.max_relaunches=1" in text
+    fail = [d for e, _, d in events(run_dir) if e == "fail"]
+    assert len(fail) == 1 and "supervise.max_relaunches=1" in fail[0]
+
+
+def test_usr2_checkpoints_requeues_and_resumes_without_repeating_a_step(tmp_path):
+    job, run_dir, out = _submit(tmp_path, "train.steps=30")
+    wait_for(lambda: fleet_step(run_dir, 1), 120, "the first fleet step", job, out)
+    wait_for(lambda: checkpoint_step(run_dir) >= 2, 120, "a checkpoint of step 2", job, out)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True)
+    info = wait_job(job, 120, until=lambda i: i["Restarts"] == "1" and i["JobState"] == "PENDING", log=out)
+    saved = checkpoint_step(run_dir)
+    assert 2 <= saved < 30
+    release_requeued(job)
+    info = wait_job(job, 300, log=out)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out.read_text()
+    ev = events(run_dir)
+    requeue = [s for e, s, _ in ev if e == "requeue"]
+    resume = [s for e, s, _ in ev if e == "resume"]
+    assert requeue == [saved] and resume == [saved]
+    assert [s for e, s, _ in ev if e == "fleet_resume"] == [saved + 1]
+    counts = Counter(steps(run_dir))
+    assert sorted(counts) == list(range(1, 31)) and set(counts.values()) == {1}
+    assert "USR2: checkpointed at step" in out.read_text()
