@@ -40,6 +40,12 @@ TABLES: dict[str, list[tuple[str, Any]]] = {
     ],
     # Supervisor and job-level events: launch, relaunch, requeue, resume, finish.
     "events": [("time", "f8"), ("event", _STR), ("step", "i4"), ("detail", _TEXT)],
+    # One row per finished agent run (rl workload): how flips touched it. restarts must stay 0.
+    "runs": [
+        ("time", "f8"), ("step", "i4"), ("run_id", _STR), ("task_id", _STR), ("status", _STR),
+        ("reward", "f8"), ("wall_s", "f8"), ("calls", "i4"), ("migrations", "i4"), ("restarts", "i4"),
+        ("policy_version", "i4"),
+    ],
 }
 
 
@@ -85,7 +91,23 @@ class EventRow:
     detail: str = ""
 
 
-_ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", EventRow: "events"}
+@dataclass
+class RunRow:
+    time: float
+    step: int
+    run_id: str
+    task_id: str
+    status: str
+    reward: float
+    wall_s: float = 0.0
+    calls: int = 0
+    migrations: int = 0
+    restarts: int = 0
+    policy_version: int = 0
+
+
+_ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", EventRow: "events",
+              RunRow: "runs"}
 
 
 class MetricsWriter:
@@ -105,7 +127,7 @@ class MetricsWriter:
             self._f.attrs[k] = v
         self._f.swmr_mode = True
 
-    def append(self, rows: Iterable[TimelineRow | StepRow | EngineRow | EventRow]) -> None:
+    def append(self, rows: Iterable[TimelineRow | StepRow | EngineRow | EventRow | RunRow]) -> None:
         by_table: dict[str, list] = {}
         for row in rows:
             by_table.setdefault(_ROW_TABLE[type(row)], []).append(row)
@@ -122,7 +144,7 @@ class MetricsWriter:
                 ds[n:] = values
                 ds.flush()
 
-    def add(self, row: TimelineRow | StepRow | EngineRow | EventRow) -> None:
+    def add(self, row: TimelineRow | StepRow | EngineRow | EventRow | RunRow) -> None:
         self.append([row])
 
     def event(self, event: str, step: int = -1, detail: str = "") -> None:
