@@ -18,6 +18,8 @@ import torch
 from mpi4py import MPI
 
 DEFAULT_CHUNK_BYTES = 32 << 20
+# Pieces at least this big are sent in place rather than packed with their neighbours.
+DIRECT_MIN_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -117,23 +119,29 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
         tensors = _receive_buffers(specs, into)
     views = [_byte_view(t) for t in tensors]
     chunks = plan_chunks(specs, chunk_bytes)
-    staging = np.empty(min(chunk_bytes, sum(s.nbytes for s in specs)) or 1, dtype=np.uint8)
+    staging = None
     for pieces in chunks:
-        if len(pieces) == 1:
-            p = pieces[0]
+        # Large pieces go straight from/into tensor memory; only small ones are packed, so
+        # the staging buffer stays small and no chunk is copied twice.
+        direct = [p for p in pieces if p.stop - p.start >= DIRECT_MIN_BYTES or len(pieces) == 1]
+        packed = [p for p in pieces if p not in direct]
+        for p in direct:
             comm.Bcast([views[p.index][p.start:p.stop], MPI.BYTE], root=root)
+        if not packed:
             continue
-        size = sum(p.stop - p.start for p in pieces)
+        size = sum(p.stop - p.start for p in packed)
+        if staging is None or staging.size < size:
+            staging = np.empty(size, dtype=np.uint8)
         buf = staging[:size]
         if is_root:
             pos = 0
-            for p in pieces:
+            for p in packed:
                 buf[pos:pos + p.stop - p.start] = views[p.index][p.start:p.stop]
                 pos += p.stop - p.start
         comm.Bcast([buf, MPI.BYTE], root=root)
         if not is_root:
             pos = 0
-            for p in pieces:
+            for p in packed:
                 views[p.index][p.start:p.stop] = buf[pos:pos + p.stop - p.start]
                 pos += p.stop - p.start
     out = dict(zip((s.name for s in specs), tensors))

@@ -34,19 +34,20 @@ def test_train_comm_holds_exactly_the_train_cells_after_any_flips(tmp_path, coun
 
 def test_chunked_transfer_is_bit_exact_for_odd_sizes_and_dtypes(tmp_path):
     out = tmp_path / "out.json"
-    sizes = [61, 1000, 1 << 20]
+    sizes = [4093, 100_000, 1 << 20]
     ok(mpiexec(3, [str(RANKS / "weights_transfer.py"), str(out), ",".join(map(str, sizes))]))
     per_rank = json.loads(out.read_text())
     assert len(per_rank) == 3
-    total = 7 * 13 * 4 + 3 * 5 * 11 * 2 + 17 * 8 + 0 + 8 + 4099 * 4 + 9
+    total = 7 * 13 * 4 + 3 * 5 * 11 * 2 + 17 * 8 + 0 + 8 + 4099 * 4 + 9 + 80_000 * 4
     for results in per_rank:
         for chunk_bytes, r in zip(sizes, results):
             assert r["equal"], (chunk_bytes, r)
             assert r["checksum"] == r["ref_checksum"] == per_rank[0][0]["checksum"]
-            assert r["names"] == ["w.f32", "w.bf16", "idx.i64", "empty", "scalar", "big.f32", "mask"]
+            assert r["names"] == ["w.f32", "w.bf16", "idx.i64", "empty", "scalar", "big.f32", "mask", "big2.f32"]
             assert r["bytes"] == total
             assert r["chunks"] == -(-total // chunk_bytes)
-    assert [r["chunks"] for r in per_rank[0]] == [-(-total // 61), -(-total // 1000), 1]
+    assert [r["chunks"] for r in per_rank[0]] == [-(-total // 4093), -(-total // 100_000), 1]
+    assert total > 1 << 18   # one piece of the 1 MB chunk is big enough to go in place
 
 
 def test_gradient_allreduce_is_the_weighted_mean_of_per_rank_gradients(tmp_path):

@@ -22,6 +22,7 @@ def reference() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(2.5, dtype=torch.float64),
         "big.f32": torch.randn(4099, generator=g),   # several chunks on its own
         "mask": torch.rand(9, generator=g) > 0.5,
+        "big2.f32": torch.randn(80_000, generator=g),  # sent in place even inside a shared chunk
     }
 
 

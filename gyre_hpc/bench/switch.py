@@ -1,0 +1,189 @@
+"""``gyre-hpc bench switch``: how long a cell takes to change role, and how fast weights move.
+
+Runs the real fleet (scripted policy: every elastic cell flips every step) with a state
+dict of ``--state-mb`` and reports the median rollout->train and train->rollout switch
+times and the weight-transfer rate of rollout->train flips. Baseline, in the same MPI
+world just before the fleet starts: one plain ``Send``/``Recv`` of the same number of
+bytes between the core cell's leader and another cell's leader, i.e. what the wire gives
+one message with no chunking, headers or communicator re-derivation.
+
+The same module is the rank program (``python -m gyre_hpc.bench.switch --ranks ...``),
+started by the jobs part's launchers: ``mpiexec`` locally, one ``srun --mpi=pmix`` het step
+over the local Slurm cluster's virtual nodes with ``--launcher slurm``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+from gyre_hpc.bench import emit
+
+
+def _raw_send_seconds(world, nbytes: int, src: int, dst: int, repeats: int) -> list[float]:
+    import numpy as np
+    from mpi4py import MPI
+
+    buf = np.ones(nbytes, dtype=np.uint8) if world.Get_rank() in (src, dst) else None
+    times = []
+    for _ in range(repeats):
+        world.Barrier()
+        t0 = time.perf_counter()
+        if world.Get_rank() == src:
+            world.Send([buf, MPI.BYTE], dest=dst, tag=77)
+            world.Recv([buf[:1], MPI.BYTE], source=dst, tag=78)   # ack: time until the bytes landed
+        elif world.Get_rank() == dst:
+            world.Recv([buf, MPI.BYTE], source=src, tag=77)
+            world.Send([buf[:1], MPI.BYTE], dest=src, tag=78)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def ranks_main(run_dir: str, out: str, repeats: int = 3) -> int:
+    """Every rank: baseline transfer, then the fleet; rank 0 writes the raw figures to ``out``."""
+    from mpi4py import MPI
+
+    from gyre_hpc.cells.fleet import FleetOptions, run_fleet
+    from gyre_hpc.cells.plan import core_cell, plan_cells
+    from gyre_hpc.config import load_config
+
+    world = MPI.COMM_WORLD
+    try:
+        cfg = load_config(Path(run_dir) / "config.yaml")
+        cells = plan_cells(cfg.cells)
+        src = core_cell(cells).leader
+        dst = next(c.leader for c in cells if c.leader != src)
+        nbytes = int(cfg.model.substrate_state_mb * (1 << 20))
+        raw = _raw_send_seconds(world, nbytes, src, dst, repeats)
+        raw = world.bcast(raw, root=src)
+        result = run_fleet(run_dir, FleetOptions(), world)
+    except BaseException:
+        return _abort(world)
+    if world.Get_rank() == 0:
+        Path(out).write_text(json.dumps({
+            "raw_send_s": raw, "raw_bytes": nbytes, "exit_code": result.exit_code,
+            "world_size": world.Get_size(),
+            "flips": [f.__dict__ for f in result.flips],
+            "steps": [{"step": s.step, "wall_s": s.wall_s} for s in result.steps]}))
+        return result.exit_code
+    return int(result)
+
+
+def _abort(world) -> int:
+    import traceback
+    traceback.print_exc()
+    sys.stderr.flush()
+    world.Abort(1)
+    return 1
+
+
+def summarize(raw: dict, state_mb: float, launcher: str) -> dict:
+    """The benchmark's figures from the rank program's raw output (pure: tested without MPI)."""
+    to_train = [f for f in raw["flips"] if f["to"] == "TRAIN"]
+    to_rollout = [f for f in raw["flips"] if f["to"] == "ROLLOUT"]
+    if not to_train or not to_rollout:
+        raise RuntimeError(f"the fleet made {len(to_train)} rollout->train and {len(to_rollout)} "
+                           "train->rollout flips; need at least one of each (raise --flips)")
+    mb = raw["raw_bytes"] / (1 << 20)
+    rates = [f["bytes"] / (1 << 20) / f["duration_s"] for f in to_train]
+    raw_s = statistics.median(raw["raw_send_s"])
+    r2t = statistics.median(f["duration_s"] for f in to_train)
+    t2r = statistics.median(f["duration_s"] for f in to_rollout)
+    rate = statistics.median(rates)
+    return {
+        "benchmark": "switch",
+        "launcher": launcher,
+        "state_mb": state_mb,
+        "world_size": raw["world_size"],
+        "flips": {"rollout_to_train": len(to_train), "train_to_rollout": len(to_rollout)},
+        "rollout_to_train_s": {"median": r2t, "min": min(f["duration_s"] for f in to_train),
+                               "max": max(f["duration_s"] for f in to_train)},
+        "train_to_rollout_s": {"median": t2r, "min": min(f["duration_s"] for f in to_rollout),
+                               "max": max(f["duration_s"] for f in to_rollout)},
+        "weight_transfer_MBps": {"median": rate, "bytes_per_flip": to_train[0]["bytes"]},
+        "baseline": {
+            "what": "one MPI Send/Recv of the same bytes between the core leader and another cell leader, same world",
+            "seconds": {"median": raw_s, "all": raw["raw_send_s"]},
+            "MBps": mb / raw_s,
+        },
+        "ratio": {
+            "transfer_MBps_over_baseline_MBps": rate / (mb / raw_s),
+            "rollout_to_train_s_over_baseline_s": r2t / raw_s,
+        },
+    }
+
+
+def _fleet_config(state_mb: float, flips: int, launcher: str) -> dict:
+    # 3 cells, core 0: cell 1 flips at step 1, then cells 1 and 2 flip in opposite directions
+    # every step, so N+1 steps give N flips each way at least.
+    return {"name": "bench-switch", "launcher": launcher,
+            "cells": {"count": 3, "ranks_per_cell": 1, "core": 0},
+            "scheduler": {"policy": "scripted"},
+            "model": {"substrate_state_mb": state_mb},
+            "train": {"steps": flips + 1, "checkpoint_every": flips + 1}}
+
+
+def _slurm_nodes() -> list[str]:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+    if out.returncode != 0:
+        raise click.ClickException(f"sinfo failed ({out.stderr.strip()}); start the cluster: gyre-hpc cluster up")
+    nodes = sorted({line.split()[0] for line in out.stdout.splitlines()
+                    if line.split() and line.split()[1].rstrip("*") in ("idle", "mixed", "mix")})
+    if len(nodes) < 3:
+        raise click.ClickException(f"--launcher slurm needs >= 3 idle nodes, sinfo shows {nodes}")
+    return nodes
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--state-mb", type=float, default=100.0, show_default=True, help="state dict size moved per flip")
+@click.option("--flips", type=int, default=5, show_default=True, help="flips per direction (at least)")
+@click.option("--launcher", type=click.Choice(["local", "slurm"]), default="local", show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=900.0, show_default=True)
+@click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="run directory to keep (default: a temporary one)")
+def command(as_json: bool, state_mb: float, flips: int, launcher: str, timeout_s: float, keep: Path | None) -> None:
+    """Median role-switch times and weight MB/s vs one raw MPI Send/Recv of the same bytes."""
+    from gyre_hpc.config import build_config
+    from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher
+    from gyre_hpc.jobs.plan import local_plan, plan_for_nodes
+
+    if flips < 1:
+        raise click.BadParameter("--flips must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-switch-") as tmp:
+        run_dir = (keep or Path(tmp) / "run").resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = build_config(_fleet_config(state_mb, flips, launcher))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        out = run_dir / "bench-switch.json"
+        argv = [sys.executable, "-m", "gyre_hpc.bench.switch", "--ranks", str(run_dir), str(out)]
+        if launcher == "local":
+            plan, runner = local_plan(cfg), LocalLauncher()
+        else:
+            plan, runner = plan_for_nodes(cfg, _slurm_nodes()), SlurmLauncher(mpi=cfg.slurm.mpi)
+        log = run_dir / "logs" / "bench-switch.log"
+        handle = runner.launch(plan, argv, log_path=log, cwd=run_dir)
+        try:
+            rc = handle.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            handle.kill()
+            raise click.ClickException(f"the fleet did not finish in {timeout_s:.0f} s; see {log}")
+        if rc != 0 or not out.exists():
+            tail = log.read_text()[-3000:] if log.exists() else ""
+            raise click.ClickException(f"the fleet exited {rc}; log {log}:\n{tail}")
+        result = summarize(json.loads(out.read_text()), state_mb, launcher)
+        result["command"] = " ".join(handle.command)
+    emit(result, as_json)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--ranks":
+        sys.exit(ranks_main(sys.argv[2], sys.argv[3]))
+    command()

@@ -1,0 +1,52 @@
+"""``gyre-hpc bench switch``: the figures it derives, and one real run through the CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cells_mpi import mpi_env
+from gyre_hpc.bench.switch import summarize
+
+RAW = {
+    "raw_send_s": [0.5, 0.4, 0.6], "raw_bytes": 100 << 20, "world_size": 4, "exit_code": 0,
+    "flips": [
+        {"to": "TRAIN", "duration_s": 1.0, "bytes": 100 << 20},
+        {"to": "TRAIN", "duration_s": 2.0, "bytes": 100 << 20},
+        {"to": "TRAIN", "duration_s": 4.0, "bytes": 100 << 20},
+        {"to": "ROLLOUT", "duration_s": 0.1, "bytes": 0},
+        {"to": "ROLLOUT", "duration_s": 0.3, "bytes": 0},
+    ],
+}
+
+
+def test_summary_takes_medians_and_divides_by_the_baseline():
+    s = summarize(RAW, 100.0, "local")
+    assert s["flips"] == {"rollout_to_train": 3, "train_to_rollout": 2}
+    assert s["rollout_to_train_s"]["median"] == 2.0
+    assert s["train_to_rollout_s"]["median"] == pytest.approx(0.2)
+    assert s["weight_transfer_MBps"]["median"] == 50.0
+    assert s["baseline"]["MBps"] == 200.0
+    assert s["ratio"]["transfer_MBps_over_baseline_MBps"] == 0.25
+    assert s["ratio"]["rollout_to_train_s_over_baseline_s"] == 4.0
+
+
+def test_summary_refuses_a_run_without_flips_both_ways():
+    with pytest.raises(RuntimeError, match="0 train->rollout"):
+        summarize({**RAW, "flips": RAW["flips"][:3]}, 100.0, "local")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow   # one fleet launch with real bytes
+def test_bench_switch_cli_prints_json_with_baseline_and_ratio(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "from gyre_hpc.cli import main; main()", "bench", "switch",
+                           "--json", "--state-mb", "8",
+                           "--flips", "2", "--keep", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env=mpi_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["flips"]["rollout_to_train"] >= 2 and out["flips"]["train_to_rollout"] >= 2
+    assert out["weight_transfer_MBps"]["bytes_per_flip"] >= 8 << 20
+    assert out["rollout_to_train_s"]["median"] > 0 and out["baseline"]["MBps"] > 0
+    assert out["ratio"]["transfer_MBps_over_baseline_MBps"] == pytest.approx(
+        out["weight_transfer_MBps"]["median"] / out["baseline"]["MBps"])
