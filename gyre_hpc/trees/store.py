@@ -17,6 +17,7 @@ Not thread-safe: one ``TreeStore`` object per thread.
 """
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import re
@@ -24,6 +25,7 @@ import shutil
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -31,6 +33,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 from gyre_hpc.trees.model import ROLES, Tree
@@ -183,16 +186,7 @@ class TreeStore:
         new = old.extended(columns)
         added = dim_lengths(columns)
         try:
-            for spec in ARRAYS:
-                arr = self._arrays[spec.name]
-                if arr.shape[0] != new.lengths[spec.dim]:
-                    arr.resize((new.lengths[spec.dim],))
-            for spec in ARRAYS:
-                if added[spec.dim]:
-                    values = columns[spec.name]
-                    if spec.dtype == "str":
-                        values = values.astype(np.dtypes.StringDType())
-                    self._arrays[spec.name][old.lengths[spec.dim]:new.lengths[spec.dim]] = values
+            sync(_write_all(self._arrays, old, new, columns, added))
             if self._fsync:
                 self._fsync_written(old, new)
         except BaseException as exc:
@@ -211,20 +205,24 @@ class TreeStore:
         self._marker = marker
 
     def _fsync_written(self, old: CommitMarker, new: CommitMarker) -> None:
-        dirs = set()
+        """Make this append's chunk files, metadata and directory entries durable before the
+        marker names them. Issued from a thread pool: concurrent fsyncs share journal
+        commits, which on ext4 here made ~150 of them 40x faster than one after another."""
+        files, dirs = [], set()
         for spec in ARRAYS:
             lo, hi = old.lengths[spec.dim], new.lengths[spec.dim]
             if hi == lo:
                 continue
             chunk = new.chunks[spec.dim]
             adir = self.root / spec.name
-            for k in range(lo // chunk, (hi - 1) // chunk + 1):
-                # Zarr writes no file for a chunk that is all fill values; it reads back as such.
-                _fsync_file(adir / "c" / str(k), missing_ok=True)
-            _fsync_file(adir / "zarr.json")
+            files += [adir / "c" / str(k) for k in range(lo // chunk, (hi - 1) // chunk + 1)]
+            files.append(adir / "zarr.json")
             dirs.update((adir, adir / "c"))
-        for d in dirs:
-            fsync_dir(d)
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            # Zarr writes no file for a chunk that is all fill values (it reads back as such),
+            # and no c/ directory while every chunk is.
+            list(pool.map(_fsync_path, files))
+            list(pool.map(_fsync_path, dirs))
 
     def close(self) -> None:
         """Writers mark the store closed (streams stop once caught up) and drop the lock."""
@@ -292,12 +290,27 @@ class TreeStore:
         return [str(x) for x in self._rows("run_id", 0, len(self)).tolist()]
 
     def dataset(self):
-        """The committed rows as an xarray Dataset (lazy). A plain ``xarray.open_zarr`` also
-        works but may show rows of an append in flight; this view never does."""
+        """The committed rows as a lazy xarray Dataset, even on a live or crashed store.
+
+        A plain ``xarray.open_zarr`` works on a store at rest, but while an append is in
+        flight (or after a writer died mid-append) arrays on one dim can differ in length,
+        which xarray refuses ("conflicting sizes for dimension"). Then each array is opened
+        on its own and cut to the commit.
+        """
         import xarray as xr
 
-        ds = xr.open_zarr(self.root, consolidated=False)
-        return ds.isel({d: slice(0, self._marker.lengths[d]) for d in DIMS if d in ds.dims})
+        cut = {d: slice(0, self._marker.lengths[d]) for d in DIMS}
+        try:
+            ds = xr.open_zarr(self.root, consolidated=False)
+            return ds.isel({d: cut[d] for d in ds.dims})
+        except ValueError:
+            names = [s.name for s in ARRAYS]
+            parts = [
+                xr.open_zarr(self.root, consolidated=False, drop_variables=[n for n in names if n != spec.name])
+                .isel({spec.dim: cut[spec.dim]})
+                for spec in ARRAYS
+            ]
+            return xr.merge(parts, combine_attrs="override", join="exact")
 
     def verify(self) -> VerifyReport:
         """Read back every committed chunk and check it; raises ``ChunkCorruptError`` naming
@@ -358,7 +371,25 @@ class TreeStore:
         return values
 
 
-# ---- helpers: creation, group checks, locking -------------------------------------------
+# ---- helpers: writing, creation, group checks, locking ----------------------------------
+
+async def _write_all(arrays: dict[str, zarr.Array], old: CommitMarker, new: CommitMarker,
+                     columns: dict[str, np.ndarray], added: dict[str, int]) -> None:
+    """Grow and fill every array concurrently: one event-loop round trip instead of ~56,
+    which is most of an append's time for Zarr's small per-call overheads."""
+    await asyncio.gather(*(
+        arrays[s.name].async_array.resize((new.lengths[s.dim],))
+        for s in ARRAYS if arrays[s.name].shape[0] != new.lengths[s.dim]))
+    writes = []
+    for spec in ARRAYS:
+        if added[spec.dim]:
+            values = columns[spec.name]
+            if spec.dtype == "str":
+                values = values.astype(np.dtypes.StringDType())
+            sel = slice(old.lengths[spec.dim], new.lengths[spec.dim])
+            writes.append(arrays[spec.name].async_array.setitem(sel, values))
+    await asyncio.gather(*writes)
+
 
 def _codecs(layout: StoreLayout) -> list:
     crc = Crc32cCodec()
@@ -450,13 +481,12 @@ def _lock_writer(root: Path) -> int:
     return fd
 
 
-def _fsync_file(path: Path, missing_ok: bool = False) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory; one that does not exist has nothing to make durable."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        if missing_ok:
-            return
-        raise
+        return
     try:
         os.fsync(fd)
     finally:
