@@ -21,6 +21,7 @@ class Batch:
     tokens: list[list[float]]  # per run, per simulated call: tokens it adds to the trajectory tree
     ctx: list[list[float]]     # per run, per simulated call: context length while it decodes (KV held)
     group: list[int]           # per run: its task (advantage group) within the batch
+    calls: list[int]           # per run: model calls before coarsening
 
     @property
     def runs(self) -> int:
@@ -57,4 +58,4 @@ def sample_batch(w: Workload, step: int) -> Batch:
     tok_blocks = per_block(tokens)
     ctx = [np.cumsum(t).tolist() for t in tok_blocks]
     return Batch(step=step, work=per_block(work), tool_s=per_block(tool), tokens=tok_blocks, ctx=ctx,
-                 group=(np.arange(n_runs) // r.runs_per_task).tolist())
+                 group=(np.arange(n_runs) // r.runs_per_task).tolist(), calls=calls.tolist())

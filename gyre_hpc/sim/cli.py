@@ -69,4 +69,5 @@ def _print_sweep(result: dict) -> None:
     for r in result["rows"]:
         click.echo(f"{r['knob']:<14}{r['value']!s:>8}{r['elastic_h']:>11.2f}{r['async_h']:>10.2f}{r['colocate_h']:>10.2f}"
                    f"{r.get('elastic_over_async', float('nan')):>10.3f}{r.get('elastic_over_colocate', float('nan')):>10.3f}")
-    click.echo("elastic does not pay at: " + (", ".join(result["elastic_loses_at"]) or "(nowhere in this sweep)"))
+    for base, where in result["elastic_slower_than"].items():
+        click.echo(f"elastic slower than {base} at: " + (", ".join(where) or "(nowhere in this sweep)"))

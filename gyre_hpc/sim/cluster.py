@@ -18,7 +18,7 @@ import time as wallclock
 from collections import deque
 from dataclasses import dataclass, field
 
-from gyre_hpc.rundir.metrics import EngineRow, EventRow, StepRow, TimelineRow
+from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Policy, Role, RoleChange
 from gyre_hpc.sim.batch import Batch, sample_batch
@@ -52,6 +52,7 @@ class SimResult:
     steps: list[StepRow] = field(default_factory=list, repr=False)
     engines: list[EngineRow] = field(default_factory=list, repr=False)
     events_log: list[EventRow] = field(default_factory=list, repr=False)
+    runs: list[RunRow] = field(default_factory=list, repr=False)
 
     @property
     def total_h(self) -> float:
@@ -111,8 +112,11 @@ class FleetSim:
         self.run_idx: list[int] = []
         self.run_deadline: list[float] = []
         self.run_tokens: list[float] = []
+        self.run_start: list[float] = []
+        self.run_migrations: list[int] = []
         self.batches: dict[int, Batch] = {}
         self.run_base: dict[int, int] = {}
+        self.batch_version: dict[int, int] = {}
         self.group_left: dict[tuple[int, int], int] = {}
         self.group_tokens: dict[tuple[int, int], float] = {}
         self.unfinished: dict[int, int] = {}
@@ -142,6 +146,7 @@ class FleetSim:
         self.steps: list[StepRow] = []
         self.engine_rows: list[EngineRow] = []
         self.event_rows: list[EventRow] = []
+        self.run_rows: list[RunRow] = []
         self.step_s: list[float] = []
 
     # ---------------------------------------------------------------- plumbing
@@ -264,6 +269,12 @@ class FleetSim:
         g = (step, b.group[run - self.run_base[step]])
         self.runs_finished += 1
         self.runs_cut += cut
+        i = run - self.run_base[step]
+        self.run_rows.append(RunRow(
+            time=self.now, step=step, run_id=f"s{step}-r{i}", task_id=f"s{step}-t{g[1]}",
+            status="timeout" if cut else "finished", reward=float("nan"), wall_s=self.now - self.run_start[run],
+            calls=min(self.run_idx[run] * self.w.run.coarsen, b.calls[i]), migrations=self.run_migrations[run],
+            policy_version=self.batch_version[step]))
         self.group_tokens[g] += self.run_tokens[run]
         self.group_left[g] -= 1
         if self.group_left[g] == 0:
@@ -299,6 +310,7 @@ class FleetSim:
         self.batches[step] = b
         base = len(self.run_batch)
         self.run_base[step] = base
+        self.batch_version[step] = self.version
         self.unfinished[step] = b.runs
         for g in set(b.group):
             self.group_left[(step, g)] = 0
@@ -311,6 +323,8 @@ class FleetSim:
             self.run_idx.append(0)
             self.run_deadline.append(deadline)
             self.run_tokens.append(0.0)
+            self.run_start.append(self.now)
+            self.run_migrations.append(0)
         self.rolling = step
         self.next_batch = step + 1
         self.event_rows.append(EventRow(self.now, "batch_start", step, f"{b.runs} runs, weights v{self.version}"))
@@ -455,6 +469,7 @@ class FleetSim:
         e.ctx = 0.0
         self.reschedule(cid)
         for run, left in moved:
+            self.run_migrations[run] += 1
             self.route(run, left, front=True)
 
     def on_switch(self, cid: int) -> None:
@@ -481,7 +496,10 @@ class FleetSim:
             elif c.role is Role.ROLLOUT:
                 tps = n * self.per_seq[n] if n else 0.0
             else:
+                # A replica's "in flight" is the work in hand: a micro-batch, or the optimizer
+                # step (which moves no tokens but keeps the GPUs busy).
                 tps = per_replica if (self.tr_busy and not self.optimizing) else 0.0
+                n = int(self.tr_busy)
             self.engine_rows.append(EngineRow(self.now, c.id, tps, len(self.queue) if c.role is Role.ROLLOUT else 0,
                                               n, int(e.ctx)))
         self.push(self.now + self.w.engine_sample_s, _SAMPLE)
@@ -529,7 +547,7 @@ class FleetSim:
             switches=self.switches, runs_finished=self.runs_finished, runs_cut=self.runs_cut,
             tokens_trained=sum(self.trained.values()), events=self.n_events,
             sim_wall_s=wallclock.perf_counter() - t0, timeline=self.timeline, steps=self.steps,
-            engines=self.engine_rows, events_log=self.event_rows)
+            engines=self.engine_rows, events_log=self.event_rows, runs=self.run_rows)
 
 
 def simulate(w: Workload, policy: Policy, policy_name: str) -> SimResult:

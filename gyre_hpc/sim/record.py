@@ -31,6 +31,7 @@ def write_run(result: SimResult, workload: Workload, root: str | Path) -> RunDir
         mw.append(result.steps)
         mw.append(result.engines)
         mw.append(result.events_log)
+        mw.append(result.runs)
     (rd.root / SIM_SUMMARY).write_text(json.dumps(
         {"summary": summary, "step_s": result.step_s, "workload": to_dict(workload)}, indent=2))
     return rd

@@ -34,7 +34,8 @@ def sweep(base: Workload) -> dict:
         rep = compare(w)
         hours = {k: v["total_h"] for k, v in rep["policies"].items()}
         rows.append({"knob": knob, "value": value, **{f"{k}_h": h for k, h in hours.items()}, **rep["speedup"],
-                     "elastic_pays": all(s > 1.0 for s in rep["speedup"].values()),
-                     "sim_wall_s": rep["sim_wall_s"]})
+                     "async_train_cells": rep["async_train_cells"], "sim_wall_s": rep["sim_wall_s"]})
     return {"base": base.name, "steps": base.steps, "cells": base.fleet.cells, "rows": rows,
-            "elastic_loses_at": [f"{r['knob']}={r['value']}" for r in rows if not r["elastic_pays"]]}
+            "elastic_slower_than": {
+                b: [f"{r['knob']}={r['value']}" for r in rows if r[f"elastic_over_{b}"] < 1.0]
+                for b in ("async", "colocate")}}

@@ -166,7 +166,7 @@ class Workload:
     steps: int = 4
     seed: int = 0
     decision_interval_s: float = 5.0     # the controller re-evaluates the policy this often
-    engine_sample_s: float = 10.0        # one engines-table row per cell this often
+    engine_sample_s: float = 2.0         # one engines-table row per cell this often
     run: RunShape = RunShape()
     engine: EngineModel = EngineModel()
     train: TrainModel = TrainModel()
@@ -209,14 +209,14 @@ PRESETS: dict[str, Workload] = {
     # The paper's regime (see docs/sim.md for the source of each figure). A cell is one
     # 8-GPU node serving (TP=8) or training (FSDP) a ~32B dense model.
     "paper": Workload(
-        name="paper", steps=48, seed=0, decision_interval_s=30.0, engine_sample_s=120.0,
+        name="paper", steps=48, seed=0, decision_interval_s=60.0, engine_sample_s=300.0,
         run=RunShape(
-            tasks_per_step=32, runs_per_task=8,
+            tasks_per_step=64, runs_per_task=8,
             calls=Dist(median=48, sigma=0.8, cap=600),
             output_tokens=Dist(median=700, sigma=0.7),
             context_tokens=Dist(median=7000, sigma=0.8),
             tool_s=Dist(median=12.0, sigma=1.0),
-            timeout_s=7200.0, coarsen=6),
+            timeout_s=7200.0, coarsen=8),
         engine=EngineModel(single_seq_tokens_per_s=60.0, half_saturation_seqs=100.0, max_seqs=256,
                            prefill_tokens_per_s=20000.0, tolerated_slowdown=0.1),
         train=TrainModel(tokens_per_s=5000.0, dp_sync_overhead=0.1, optimizer_step_s=30.0, weight_sync_s=20.0),
