@@ -144,6 +144,12 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
             for p in packed:
                 views[p.index][p.start:p.stop] = buf[pos:pos + p.stop - p.start]
                 pos += p.stop - p.start
+    if not is_root and into is not None:
+        for s, t in zip(specs, tensors):
+            target = into[s.name]
+            if target.data_ptr() != t.data_ptr() or target.device != t.device:
+                target.detach().copy_(t)
+        tensors = [into[s.name] for s in specs]
     out = dict(zip((s.name for s in specs), tensors))
     total = sum(s.nbytes for s in specs)
     return out, TransferStats(bytes=total, chunks=len(chunks), seconds=time.perf_counter() - t0)
@@ -164,8 +170,10 @@ def _receive_buffers(specs: list[TensorSpec], into: dict[str, torch.Tensor] | No
             raise ValueError(f"tensor {s.name}: sender has {s.dtype}{list(s.shape)}, "
                              f"receiver {dtype_name(t.dtype)}{list(t.shape)}")
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"tensor {s.name}: receiving in place needs a contiguous CPU tensor")
-        out.append(t.detach())
+            # MPI here is not assumed CUDA-aware: land the bytes on the host, copy over after.
+            out.append(torch.empty(s.shape, dtype=t.dtype))
+        else:
+            out.append(t.detach())
     return out
 
 

@@ -37,6 +37,12 @@ for chunk_bytes in chunk_sizes:
         into = {k: torch.zeros_like(v) for k, v in ref.items()}
         got, stats = weights.bcast_state_dict(None, world, into=into, chunk_bytes=chunk_bytes)
         assert all(got[k].data_ptr() == into[k].data_ptr() for k in ref if ref[k].numel()), "not received in place"
+    elif rank == 2:
+        # A non-contiguous target (a transposed view, like a device tensor) is filled via a host buffer.
+        into = {k: torch.zeros_like(v) for k, v in ref.items()}
+        into["w.f32"] = torch.zeros(13, 7).t()
+        got, stats = weights.bcast_state_dict(None, world, into=into, chunk_bytes=chunk_bytes)
+        assert got["w.f32"] is into["w.f32"] and torch.equal(into["w.f32"], ref["w.f32"]), "view not filled"
     else:
         got, stats = weights.bcast_state_dict(None, world, chunk_bytes=chunk_bytes)
     result = {
