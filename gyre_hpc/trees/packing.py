@@ -11,12 +11,12 @@ predecessor ``pred_index[j]``; the loss reads the logits at ``pred_index[j]`` an
 ``input_ids[j]`` under them. That is exactly the causal-LM rule "the logits at position
 t predict token t+1", applied along each token's own path.
 
-Splitting. A tree longer than the room left in a row continues in the next row, which
-first repeats the continuing node's ancestors (and the part of the node already placed)
-as context: same tokens, same positions, no loss (``loss_mask`` False), so each trained
-token is scored once, in the row that owns it. A node may be cut anywhere: node
-boundaries are only where calls diverge, and cutting one into a chain changes nothing
-the model sees.
+Splitting. Rows are cut at node boundaries: a node that does not fit in the room left
+starts the next row, which first repeats the node's ancestors as context: same tokens,
+same positions, no loss (``loss_mask`` False), so each trained token is scored once, in
+the row that owns it. A node is never cut, because the ancestors plus the node are one
+call's path at most, so a row that holds the longest path holds any node with its
+context, and cutting would only repeat the node's head as well.
 """
 from __future__ import annotations
 
@@ -54,12 +54,11 @@ class PackedRow:
 
 @dataclass
 class _Span:
-    """A node's tokens [lo, hi) placed in a row at row offset base + lo."""
+    """A whole node placed in a row; owned = its trained tokens are scored in this row."""
 
     run: int
     node: int
-    lo: int
-    hi: int
+    length: int
     owned: bool
 
 
@@ -71,7 +70,7 @@ class _RowBuilder:
 
     def add(self, span: _Span) -> None:
         self.spans.append(span)
-        self.length += span.hi - span.lo
+        self.length += span.length
 
     def finish(self) -> PackedRow:
         L = self.length
@@ -82,41 +81,33 @@ class _RowBuilder:
         blp = np.zeros(L, np.float32)
         run = np.empty(L, np.int64)
         end = np.empty(L, np.int64)
-        # Row offset of each (run, node)'s token 0, and the row-local node list for subtree ends.
+        # Row offset of each (run, node), for predecessors and subtree ends.
         base: dict[tuple[int, int], int] = {}
-        row_nodes: list[tuple[int, int]] = []
-        node_hi: dict[tuple[int, int], int] = {}
         at = 0
         for s in self.spans:
-            tree, key = self.trees[s.run], (s.run, s.node)
-            if key not in base:
-                base[key] = at - s.lo
-                row_nodes.append(key)
-            n = s.hi - s.lo
-            g0 = int(tree.node_start[s.node]) + s.lo
+            tree, key, n = self.trees[s.run], (s.run, s.node), s.length
+            base[key] = at
+            g0 = int(tree.node_start[s.node])
             sl = slice(at, at + n)
             ids[sl] = tree.tokens[g0:g0 + n]
-            pos[sl] = self.depths[s.run][s.node] + np.arange(s.lo, s.hi)
+            pos[sl] = self.depths[s.run][s.node] + np.arange(n)
             run[sl] = s.run
             pred[sl] = np.arange(at - 1, at + n - 1)
-            if s.lo == 0:
-                parent = int(tree.parent[s.node])
-                pred[at] = -1 if parent < 0 else base[(s.run, parent)] + int(tree.node_len[parent]) - 1
+            parent = int(tree.parent[s.node])
+            pred[at] = -1 if parent < 0 else base[(s.run, parent)] + int(tree.node_len[parent]) - 1
             if s.owned:
                 loss[sl] = tree.trained[g0:g0 + n]
                 blp[sl] = tree.logprobs[g0:g0 + n]
-            node_hi[key] = at + n
             at += n
         # A node's subtree ends where its last descendant in this row ends; rows are preorder,
         # so propagate ends from the back to parents.
-        sub_end = {key: node_hi[key] for key in row_nodes}
-        for key in reversed(row_nodes):
-            parent = int(self.trees[key[0]].parent[key[1]])
-            pkey = (key[0], parent)
-            if parent >= 0 and pkey in sub_end:
+        sub_end = {key: base[key] + self.trees[key[0]].node_len[key[1]] for key in base}
+        for key in reversed(list(base)):
+            pkey = (key[0], int(self.trees[key[0]].parent[key[1]]))
+            if pkey in sub_end:
                 sub_end[pkey] = max(sub_end[pkey], sub_end[key])
-        for key in row_nodes:
-            end[base[key]:node_hi[key]] = sub_end[key]
+        for key, start in base.items():
+            end[start:start + self.trees[key[0]].node_len[key[1]]] = sub_end[key]
         return PackedRow(ids, pos, end, pred, loss, blp, run)
 
 
@@ -129,37 +120,34 @@ def pack(trees: Sequence[Tree], row_tokens: int) -> list[PackedRow]:
     row = _RowBuilder(trees, depths)
     for r, tree in enumerate(trees):
         for node in range(tree.n_nodes):
-            lo, n_len = 0, int(tree.node_len[node])
-            while lo < n_len:
-                room = row_tokens - row.length
-                if room == 0:
+            need = int(tree.node_len[node])
+            if row.length + need > row_tokens:
+                # A node is never cut: cutting it would repeat its head as context in the
+                # next row, while a row left short costs nothing (rows are not padded
+                # unless collated together).
+                if row.length:
                     rows.append(row.finish())
-                    row = _RowBuilder(trees, depths)
-                    _add_context(row, tree, r, node, lo)
-                    room = row_tokens - row.length
-                    if room <= 0:
-                        raise ValueError(
-                            f"pack: run {tree.run_id!r} node {node} sits {int(depths[r][node]) + lo} tokens deep, "
-                            f"more than row_tokens={row_tokens} can hold with its context; raise train.row_tokens")
-                hi = min(n_len, lo + room)
-                row.add(_Span(r, node, lo, hi, owned=True))
-                lo = hi
+                row = _RowBuilder(trees, depths)
+                _add_context(row, tree, r, node)
+                if row.length + need > row_tokens:
+                    raise ValueError(
+                        f"pack: run {tree.run_id!r} has a path of {row.length + need} tokens (node {node}), "
+                        f"more than row_tokens={row_tokens}; raise train.row_tokens")
+            row.add(_Span(r, node, need, owned=True))
     if row.length:
         rows.append(row.finish())
     return rows
 
 
-def _add_context(row: _RowBuilder, tree: Tree, run: int, node: int, lo: int) -> None:
-    """Open a row with the ancestors of ``node`` and its first ``lo`` tokens, as context only."""
+def _add_context(row: _RowBuilder, tree: Tree, run: int, node: int) -> None:
+    """Open a row with the ancestors of ``node``, as context only (no loss)."""
     chain = []
     p = int(tree.parent[node])
     while p >= 0:
         chain.append(p)
         p = int(tree.parent[p])
     for a in reversed(chain):
-        row.add(_Span(run, a, 0, int(tree.node_len[a]), owned=False))
-    if lo:
-        row.add(_Span(run, node, 0, lo, owned=False))
+        row.add(_Span(run, a, int(tree.node_len[a]), owned=False))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def test_mask_blocks_cover_reachable_keys_only_never_dense(make_journal):
     attn = SdpaTreeAttention(batch.subtree_end, block=64)  # blocks are planned once per batch
     deepest = max(t.path(c).size for t in trees for c in range(t.n_paths))
     _, _, q_block, n_keys = attn.largest_mask_block
-    assert L == 1200 and q_block == 64
+    assert 1164 < L <= 1200 and q_block == 64
     assert n_keys <= deepest + 64 < L  # ancestors + the block, not the row
     # Without key selection a block spans keys [0, q_end): still never T x T.
     assert tree_mask_block(batch.subtree_end, 0, 64).shape == (B, 1, 64, 64)

@@ -77,18 +77,23 @@ def test_split_row_repeats_ancestors_as_untrained_context():
     np.testing.assert_array_equal(rows[1].position_ids, [0, 1, 2, 3, 4])
 
 
-def test_node_cut_at_the_row_end_continues_with_its_head_as_context():
+def test_node_that_does_not_fit_starts_the_next_row_whole():
     tree = build_tree([ModelCall([1, 2, 3], [4, 5], [-1, -1]), ModelCall([1, 2, 3], [6, 7, 8], [-1, -2, -3])])
     rows = pack([tree], 6)
-    # Row 0 fills its last slot with the first token of node [6 7 8]; row 1 repeats the
-    # ancestors and that token as context and owns the rest of the node.
-    np.testing.assert_array_equal(rows[0].input_ids, [1, 2, 3, 4, 5, 6])
-    np.testing.assert_array_equal(rows[0].loss_mask, [0, 0, 0, 1, 1, 1])
+    # Row 0 is left one short rather than cutting node [6 7 8]; row 1 repeats its ancestors.
+    np.testing.assert_array_equal(rows[0].input_ids, [1, 2, 3, 4, 5])
     np.testing.assert_array_equal(rows[1].input_ids, [1, 2, 3, 6, 7, 8])
-    np.testing.assert_array_equal(rows[1].loss_mask, [0, 0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(rows[1].loss_mask, [0, 0, 0, 1, 1, 1])
     np.testing.assert_array_equal(rows[1].pred_index, [-1, 0, 1, 2, 3, 4])
     np.testing.assert_array_equal(rows[1].position_ids, [0, 1, 2, 3, 4, 5])
-    np.testing.assert_allclose(rows[1].behaviour_logprobs[4:], [-2, -3])
+    np.testing.assert_allclose(rows[1].behaviour_logprobs[3:], [-1, -2, -3])
+
+
+def test_single_paths_pack_without_repeating_anything(make_journal):
+    journal = make_journal(0)
+    paths = [build_tree([c]) for c in journal]
+    rows = pack(paths, 400)
+    assert sum(r.n_tokens for r in rows) == sum(c.prompt.size + c.output.size for c in journal)
 
 
 def test_path_deeper_than_a_row_is_refused_by_name():

@@ -1,0 +1,148 @@
+"""``gyre-hpc bench trees``: tree training against per-path training, same model, same data.
+
+Workload: synthetic long-horizon runs (``gyre_hpc.trees.synthetic``, ~200 calls each,
+compressions, sub-agents, retries), one task group.
+
+Baseline ("per_path"): every call's prompt+output is its own sequence, packed into the
+same rows with document masking, run through the same kernel and the same loss. So the
+only difference measured is prefix sharing, not padding or kernel choice.
+
+Each variant runs in a fresh spawned process (one torch thread) so its peak memory is its
+own: peak RSS (``ru_maxrss``) minus RSS just before the step, i.e. what forward+backward
+of the whole step added on top of model and data.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import time
+
+import click
+import numpy as np
+
+from gyre_hpc.bench import emit
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _workload(n_runs: int, n_calls: int, seed: int):
+    from gyre_hpc.trees.builder import build_tree
+    from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_runs
+
+    runs = synthetic_runs(n_tasks=1, runs_per_task=n_runs, cfg=SyntheticConfig(n_calls=n_calls), seed=seed)
+    trees = [build_tree(r.journal, run_id=r.run_id, task_id=r.task_id, reward=r.reward) for r in runs]
+    return runs, trees
+
+
+def _per_path(runs, trees):
+    """One single-call tree per call, weighted as part of its run (per-run averaging kept)."""
+    from gyre_hpc.trees.builder import build_tree
+    from gyre_hpc.trees.loss import StepWeights
+
+    paths, owner = [], []
+    for r, run in enumerate(runs):
+        for call in run.journal:
+            paths.append(build_tree([call], run_id=run.run_id, task_id=run.task_id, reward=run.reward))
+            owner.append(r)
+    owner = np.asarray(owner)
+    run_weights = StepWeights.from_trees(trees)
+    run_tokens = np.bincount(owner, weights=[int(p.trained.sum()) for p in paths], minlength=len(runs))
+    return paths, StepWeights(run_weights.advantages[owner], run_tokens.astype(np.int64)[owner],
+                              int((run_tokens > 0).sum()))
+
+
+def _measure(variant: str, n_runs: int, n_calls: int, seed: int, preset: str, row_tokens: int, queue) -> None:
+    """Child process: build the data, then time one full step (forward+backward, all rows)."""
+    import torch
+
+    from gyre_hpc.models.tiny_lm import build_model
+    from gyre_hpc.trees.loss import StepWeights, packed_loss
+    from gyre_hpc.trees.packing import collate, pack
+
+    torch.set_num_threads(1)
+    runs, trees = _workload(n_runs, n_calls, seed)
+    if variant == "tree":
+        units, weights = trees, StepWeights.from_trees(trees)
+    else:
+        units, weights = _per_path(runs, trees)
+    rows = pack(units, row_tokens)
+    batches = [collate([row]) for row in rows]
+    model = build_model(preset, seed=seed)
+    rss_before = _rss_bytes()
+    t0 = time.perf_counter()
+    loss = 0.0
+    for batch in batches:
+        step_loss = packed_loss(model, batch, weights, clip_eps=0.2, attention="sdpa")
+        step_loss.backward()
+        loss += float(step_loss.detach())
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    queue.put({
+        "step_s": seconds,
+        "peak_mem_mb": max(0, peak - rss_before) / 2**20,
+        "rows": len(rows),
+        "packed_tokens": int(sum(r.n_tokens for r in rows)),
+        "trained_tokens": int(sum(r.n_loss_tokens for r in rows)),
+        "loss": loss,
+        "grad_norm": float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))),
+    })
+
+
+def _in_child(variant: str, **kwargs) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_measure, args=(variant,), kwargs={**kwargs, "queue": queue})
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if proc.exitcode != 0:
+        raise click.ClickException(f"bench trees: the {variant} measurement exited with {proc.exitcode}")
+    return result
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--runs", "n_runs", default=2, show_default=True, help="runs in the step (one task group)")
+@click.option("--calls", "n_calls", default=200, show_default=True, help="model calls per run")
+@click.option("--preset", default="tiny", show_default=True, help="model preset (gyre_hpc.models.tiny_lm.PRESETS)")
+@click.option("--row-tokens", default=4096, show_default=True, help="tokens per packed row (micro-batch)")
+@click.option("--seed", default=0, show_default=True)
+def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: int, seed: int) -> None:
+    """Tokens, step time and peak memory: tree training vs per-path training."""
+    runs, trees = _workload(n_runs, n_calls, seed)
+    expanded = sum(c.prompt.size + c.output.size for r in runs for c in r.journal)
+    in_tree = sum(t.n_tokens for t in trees)
+    kwargs = dict(n_runs=n_runs, n_calls=n_calls, seed=seed, preset=preset, row_tokens=row_tokens)
+    per_path = _in_child("per_path", **kwargs)
+    tree = _in_child("tree", **kwargs)
+    emit({
+        "workload": {
+            "runs": n_runs, "calls_per_run": n_calls, "model": preset, "row_tokens": row_tokens,
+            "generator": "gyre_hpc.trees.synthetic defaults (compressions, sub-agents, retries)",
+        },
+        "tokens": {
+            "expanded_paths": int(expanded),
+            "tree": int(in_tree),
+            "ratio": expanded / in_tree,
+            "packed_rows_per_path": per_path["packed_tokens"],
+            "packed_rows_tree": tree["packed_tokens"],
+        },
+        "step_time_s": {
+            "per_path": per_path["step_s"],
+            "tree": tree["step_s"],
+            "ratio": per_path["step_s"] / tree["step_s"],
+            "what": "forward+backward of every row of the step, sdpa backend, 1 torch thread",
+        },
+        "peak_mem_mb": {
+            "per_path": per_path["peak_mem_mb"],
+            "tree": tree["peak_mem_mb"],
+            "ratio": per_path["peak_mem_mb"] / max(tree["peak_mem_mb"], 1e-9),
+            "what": "peak RSS (ru_maxrss) minus RSS before the step, each variant in its own process",
+        },
+        "rows": {"per_path": per_path["rows"], "tree": tree["rows"]},
+        "trained_tokens": {"per_path": per_path["trained_tokens"], "tree": tree["trained_tokens"]},
+        "loss": {"per_path": per_path["loss"], "tree": tree["loss"]},
+    }, as_json)
