@@ -31,7 +31,6 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
     cfg = _load(config, overrides)
     result = run_head(cfg)
     run_dir = RunDir.at(cfg.run_dir)
-    click.echo(f"{result.status}: {result.message}")
     click.echo(f"outputs in {run_dir.root}:")
     for label, path in (("metrics", run_dir.metrics), ("checkpoints", run_dir.checkpoints),
                         ("trees", run_dir.trees), ("logs", run_dir.logs)):

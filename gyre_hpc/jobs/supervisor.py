@@ -171,7 +171,8 @@ class Supervisor:
 
     def _record_step(self, handle: FleetHandle) -> None:
         """Where the running fleet is: tools (and tests) read this to find the step to act on."""
-        info = {"step_id": handle.step_id, "pid": handle.pid, "launch": self.launches, "time": time.time()}
+        info = {"step_id": handle.step_id, "pid": handle.pid, "launch": self.launches, "time": time.time(),
+                "command": handle.command}
         (self.run.logs / "fleet.json").write_text(json.dumps(info))
         self.log(f"fleet is Slurm step {handle.step_id}")
 
