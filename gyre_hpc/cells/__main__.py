@@ -15,7 +15,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gyre_hpc.cells", description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
     args = parser.parse_args(argv)
+    if _workload(args.run_dir) == "rl":
+        from gyre_hpc.rl.fleet import main_guarded as rl_main_guarded
+        return rl_main_guarded(args.run_dir)
     return main_guarded(args.run_dir)
+
+
+def _workload(run_dir: str) -> str:
+    """``workload`` of the run's config (``substrate`` | ``rl``); a bad config fails later, by name."""
+    from gyre_hpc.config import ConfigError, load_config
+    from gyre_hpc.rundir.layout import RunDir
+
+    try:
+        return load_config(RunDir.at(run_dir).config).workload
+    except ConfigError:
+        return "substrate"
 
 
 if __name__ == "__main__":

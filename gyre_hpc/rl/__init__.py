@@ -1,0 +1,1 @@
+"""End-to-end elastic RL: the ``workload: rl`` mode of the fleet (see docs/rl.md)."""

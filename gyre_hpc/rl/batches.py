@@ -1,0 +1,81 @@
+"""Admission -> packing -> micro-batches, and dealing micro-batches to replicas by speed.
+
+A step's trees arrive an advantage group at a time (a group is trainable once its G runs are
+done: advantages are normalised within it). Each group is packed on its own into rows of
+``train.row_tokens`` and the rows are cut into micro-batches of at most
+``train.micro_batch_tokens``; row ``run_index`` values index the group's runs, and each
+micro-batch carries that group's advantages and per-run trained-token counts, so a replica
+computes its exact share of the step loss without seeing the rest of the step.
+
+Dealing: every replica should finish the step's work at the same moment. The controller
+keeps each replica's measured training tokens/s and hands the next micro-batch to the replica
+that would finish it earliest given what it already holds (list scheduling on expected
+finish time); a replica never measured is assumed as fast as the fastest one measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from gyre_hpc.rl.trainer import MicroBatch
+from gyre_hpc.trees.admission import admit
+from gyre_hpc.trees.loss import group_advantages
+from gyre_hpc.trees.model import Tree
+from gyre_hpc.trees.packing import pack
+
+
+def admit_group(trees: Sequence[Tree], max_paths: int) -> list[Tree]:
+    return [admit(t, max_paths) for t in trees]
+
+
+def group_micro_batches(trees: Sequence[Tree], step: int, first_id: int, row_tokens: int,
+                        micro_batch_tokens: int) -> list[MicroBatch]:
+    """One advantage group's trees as micro-batches (ids from ``first_id``)."""
+    if not trees:
+        return []
+    advantages = group_advantages([t.reward for t in trees], [t.task_id for t in trees])
+    run_tokens = np.array([int(t.trained.sum()) for t in trees], dtype=np.int64)
+    rows = [r for r in pack(trees, row_tokens) if r.n_loss_tokens > 0]
+    out: list[MicroBatch] = []
+    current: list = []
+    size = 0
+    for row in rows:
+        if current and size + row.n_tokens > micro_batch_tokens:
+            out.append(MicroBatch(step, first_id + len(out), tuple(current), advantages, run_tokens))
+            current, size = [], 0
+        current.append(row)
+        size += row.n_tokens
+    if current:
+        out.append(MicroBatch(step, first_id + len(out), tuple(current), advantages, run_tokens))
+    return out
+
+
+@dataclass
+class ReplicaSpeeds:
+    """Measured training tokens/s per replica (world rank), smoothed."""
+
+    rates: dict[int, float] = field(default_factory=dict)
+    alpha: float = 0.5
+
+    def record(self, rank: int, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        old = self.rates.get(rank)
+        self.rates[rank] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+
+    def rate(self, rank: int) -> float:
+        if rank in self.rates:
+            return self.rates[rank]
+        return max(self.rates.values(), default=1.0)
+
+
+def pick_replica(replicas: Iterable[int], held_tokens: Mapping[int, int], speeds: ReplicaSpeeds,
+                 tokens: int) -> int:
+    """The replica that would finish ``tokens`` more work earliest (ties: lowest rank)."""
+    replicas = list(replicas)
+    if not replicas:
+        raise RuntimeError("no TRAIN replica to hand a micro-batch to")
+    return min(replicas, key=lambda r: ((held_tokens.get(r, 0) + tokens) / speeds.rate(r), r))

@@ -1,0 +1,499 @@
+"""Rank 0 of the RL fleet: harness runs, routing, trees, streaming training, flips, checkpoints.
+
+One asyncio loop on one thread does everything that touches MPI on this rank. Each agent
+run is a task (``harness.loop.AgentRun``) whose model calls go through ``RouterDriver`` to
+the ROLLOUT engines; tools and checkers run in worker threads, so the loop keeps pumping
+(``_pump``): engine token streams, replicas' micro-batch reports, policy decisions, and
+dealing micro-batches. A step:
+
+1. sample ``rollout.tasks_per_step`` tasks (seeded by run seed and step) and start
+   ``rollout.runs_per_task`` runs of each (run ids ``s<step>-t<k>-g<g>``, seeds derived);
+2. as an advantage group's runs finish (or time out: the harness scores the workspace as
+   it is), build their trees, admit them (``train.max_paths_per_run``), append the group to
+   ``trees.zarr`` (one commit; this rank is the store's only writer) and cut it into
+   micro-batches that go to the TRAIN replicas by measured speed while other runs still roll out;
+3. every ``scheduler.interval_s`` the policy sees a ClusterState built from live counters
+   and may flip cells. ROLLOUT -> TRAIN first drains the engine through the router (in-flight
+   sequences move with their KV cache and continue on the remaining engines), then all ranks
+   meet in ``cells.controller.Controller.flip`` (re-derived train_comm; weights AND optimizer
+   state from the core cell). A replica that leaves TRAIN mid-step hands its micro-batches
+   back; the others redo them;
+4. once every run is done and every micro-batch trained: allreduce, optimizer step (version
+   + 1), new weights to every engine, step and run rows to ``metrics.h5``, checkpoint.
+
+Exactly-once trees across a kill: the checkpoint records how many committed trees the model
+has trained on (``trained_upto``). A relaunch trains the step after the checkpoint; trees of
+that step already in the store (committed before the kill) are read back instead of being
+rolled out again, and runs not in the store resume from their journals.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from gyre_hpc.cells import checkpoint, protocol
+from gyre_hpc.cells.controller import CHECKPOINT_AND_EXIT, EXIT_CHECKPOINTED, EXIT_DONE, Controller, FlipRecord
+from gyre_hpc.cells.engines.mpi_engines import MPIEngines
+from gyre_hpc.cells.plan import Cell, core_cell, train_ranks
+from gyre_hpc.cells.router import Router
+from gyre_hpc.config import RunConfig
+from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
+from gyre_hpc.harness.tasks import Task, load_suite
+from gyre_hpc.rl import messages
+from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
+from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
+from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
+from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.metrics import EngineRow, MetricsWriter, RunRow, StepRow
+from gyre_hpc.sched.staleness import staleness_bound
+from gyre_hpc.sched.state import CellState, ClusterState, Policy, Role, RoleChange
+from gyre_hpc.trees.builder import build_tree
+from gyre_hpc.trees.model import Tree
+from gyre_hpc.trees.store import TreeStore
+
+OPTIMIZER_FILES = ["model.safetensors", "config.json", "optimizer.safetensors"]
+
+
+class CountingEngines(MPIEngines):
+    """MPIEngines that also counts each engine's decoded tokens (its measured throughput)
+    and can pause an engine's serve loop so its rank can join a world-wide collective."""
+
+    def __init__(self, comm, ranks, poll_timeout_s: float = 0.0):
+        super().__init__(comm, ranks, poll_timeout_s)
+        self.tokens = {e: 0 for e in self.ranks}
+
+    def poll(self):
+        reports = super().poll()
+        for r in reports:
+            self.tokens[r.engine] += len(r.events)
+        return reports
+
+    def pause(self, engines) -> dict:
+        """Each paused engine's counters (the ``stop`` reply)."""
+        return {e: self.call(e, "stop") for e in engines}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    step: int
+    group: int          # task slot k in the step: the advantage group
+    index: int          # g within the group
+    task: Task
+    seed: int
+
+    @property
+    def run_id(self) -> str:
+        return f"s{self.step:05d}-t{self.group}-g{self.index}"
+
+
+@dataclass
+class RunOutcome:
+    spec: RunSpec
+    tree: Tree
+    migrations: int = 0
+    restarts: int = 0
+    calls: int = 0
+    from_store: bool = False
+
+
+@dataclass
+class StepState:
+    step: int
+    specs: list[RunSpec]
+    outcomes: dict[str, RunOutcome] = field(default_factory=dict)
+    pending: list[MicroBatch] = field(default_factory=list)
+    outstanding: dict[int, list[MicroBatch]] = field(default_factory=dict)   # rank -> sent, unreported
+    done_by: dict[int, list[MicroBatch]] = field(default_factory=dict)       # rank -> trained this step
+    losses: dict[int, float] = field(default_factory=dict)                   # mb id -> loss
+    trained_tokens: int = 0
+    next_mb: int = 0
+    groups_done: set[int] = field(default_factory=set)
+    flips: list[FlipRecord] = field(default_factory=list)
+
+    @property
+    def runs_done(self) -> bool:
+        return len(self.outcomes) == len(self.specs)
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.specs) - len(self.outcomes)
+
+    def backlog_tokens(self) -> int:
+        return sum(mb.tokens for mb in self.pending) + sum(mb.tokens for v in self.outstanding.values() for mb in v)
+
+
+@dataclass(frozen=True)
+class RLStepRecord:
+    step: int
+    wall_s: float
+    loss: float
+    reward_mean: float
+    tokens: int
+    policy_version: int
+    train_cells: tuple[int, ...]
+    runs: int
+    migrations: int
+    restarts: int
+    flips: int
+    checksums: dict[int, str] | None = None
+
+
+@dataclass
+class RLFleetResult:
+    exit_code: int
+    first_step: int
+    last_completed: int
+    steps: list[RLStepRecord] = field(default_factory=list)
+    flips: list[FlipRecord] = field(default_factory=list)
+    migrations: int = 0
+    recomputed_prefill_tokens: int = 0
+
+
+class RLController:
+    def __init__(self, world: MPI.Intracomm, engine_comm: MPI.Intracomm, cfg: RunConfig, run: RunDir,
+                 cells: tuple[Cell, ...], policy: Policy, metrics: MetricsWriter, store: TreeStore,
+                 start_step: int, policy_version: int, trained_upto: int, verify_weights: bool = False):
+        self.world, self.cfg, self.run, self.metrics, self.store = world, cfg, run, metrics, store
+        self.fleet = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
+                                start_step=start_step, policy_version=policy_version, verify_weights=verify_weights)
+        self.policy = policy
+        self.start_step = start_step
+        self.policy_version = policy_version
+        self.trained_upto = trained_upto
+        self.verify_weights = verify_weights
+        self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in cells})
+        self.router = Router(self.transport, [c.id for c in cells if c.role is Role.ROLLOUT])
+        self.driver = RouterDriver(self.router, temperature=cfg.rollout.temperature)
+        self.tasks = load_suite(cfg.rollout.tasks)
+        self.harness_cfg = HarnessConfig.from_rollout(cfg.rollout)
+        self.speeds = ReplicaSpeeds()
+        self.serving: set[int] = set()
+        self.engine_counters: dict[int, object] = {}   # engine -> counters at its last pause
+        self.result = RLFleetResult(exit_code=-1, first_step=start_step, last_completed=start_step - 1)
+        self.switch_s = {Role.TRAIN: None, Role.ROLLOUT: None}   # measured flip costs by target role
+        self._engine_mark = (time.monotonic(), dict(self.transport.tokens))
+        self._engine_rate: dict[int, float] = {}
+
+    @property
+    def cells(self) -> tuple[Cell, ...]:
+        return self.fleet.cells
+
+    def cell(self, cid: int) -> Cell:
+        return next(c for c in self.cells if c.id == cid)
+
+    # ---- engines: serve / pause ----------------------------------------------------------
+    def resume_engines(self) -> None:
+        for c in self.cells:
+            if c.role is Role.ROLLOUT and c.id not in self.serving:
+                self.world.send(messages.Serve(self.policy_version), dest=c.leader, tag=protocol.TAG_COMMAND)
+                self.serving.add(c.id)
+
+    def pause_engines(self) -> None:
+        self.engine_counters.update(self.transport.pause(sorted(self.serving)))
+        self.serving.clear()
+
+    # ---- the run of one step -------------------------------------------------------------
+    def sample_runs(self, step: int) -> list[RunSpec]:
+        rc = self.cfg.rollout
+        rng = np.random.default_rng([self.cfg.seed, step])
+        k = rc.tasks_per_step
+        picks = rng.permutation(len(self.tasks))[:k] if k <= len(self.tasks) else rng.integers(0, len(self.tasks), k)
+        specs = []
+        for slot, t in enumerate(picks):
+            for g in range(rc.runs_per_task):
+                digest = hashlib.blake2b(f"{self.cfg.seed}/{step}/{slot}/{g}".encode(), digest_size=8).digest()
+                specs.append(RunSpec(step, slot, g, self.tasks[int(t)], int.from_bytes(digest, "little") >> 1))
+        return specs
+
+    def stored_trees(self, step: int) -> dict[str, Tree]:
+        """Trees of ``step`` committed after the last checkpoint (a kill came before training them)."""
+        prefix = f"s{step:05d}-"
+        ids = self.store.run_ids()
+        return {rid: self.store.read(i) for i, rid in enumerate(ids) if i >= self.trained_upto and rid.startswith(prefix)}
+
+    async def _agent(self, spec: RunSpec, st: StepState) -> None:
+        client: CountingRunClient = self.driver.client(spec.run_id, spec.seed)
+        agent = AgentRun(spec.task, self.run.workspaces / spec.run_id, client,
+                         self.run.journals / f"{spec.run_id}.jsonl", self.harness_cfg, run_id=spec.run_id)
+        result: RunResult = await agent.run(resume=True)
+        versions = [c.policy_version for c in result.calls]
+        tree = build_tree(result.calls, run_id=spec.run_id, task_id=spec.task.task_id, reward=result.reward,
+                          status=result.status, policy_version=min(versions) if versions else self.policy_version,
+                          wall_s=result.wall_s)
+        self._run_done(st, RunOutcome(spec, tree, client.migrations, client.restarts, client.calls))
+
+    def _run_done(self, st: StepState, outcome: RunOutcome) -> None:
+        st.outcomes[outcome.spec.run_id] = outcome
+        group = outcome.spec.group
+        members = [s for s in st.specs if s.group == group]
+        if group in st.groups_done or any(s.run_id not in st.outcomes for s in members):
+            return
+        st.groups_done.add(group)
+        outs = [st.outcomes[s.run_id] for s in members]
+        if all(o.from_store for o in outs):
+            trees = [o.tree for o in outs]
+        else:
+            trees = admit_group([o.tree for o in outs], self.cfg.train.max_paths_per_run)
+            self.store.append(trees)
+            for o, t in zip(outs, trees):
+                o.tree = t
+        mbs = group_micro_batches(trees, st.step, st.next_mb, self.cfg.train.row_tokens,
+                                  self.cfg.train.micro_batch_tokens)
+        st.next_mb += len(mbs)
+        st.pending.extend(mbs)
+
+    # ---- replicas ------------------------------------------------------------------------
+    def _deal(self, st: StepState) -> None:
+        replicas = train_ranks(self.cells)
+        while st.pending:
+            free = [r for r in replicas if len(st.outstanding.get(r, [])) < 2]
+            if not free:
+                return
+            held = {r: sum(mb.tokens for mb in st.outstanding.get(r, [])) for r in free}
+            mb = st.pending.pop(0)
+            rank = pick_replica(free, held, self.speeds, mb.tokens)
+            st.outstanding.setdefault(rank, []).append(mb)
+            self.world.send(messages.Train(mb), dest=rank, tag=protocol.TAG_COMMAND)
+
+    def _poll_train(self, st: StepState, block: bool = False) -> None:
+        status = MPI.Status()
+        while any(st.outstanding.values()):
+            if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
+                if not block:
+                    return
+                time.sleep(0.0005)
+                continue
+            rep = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)
+            if not isinstance(rep, messages.TrainReport):
+                raise RuntimeError(f"controller expected a TrainReport, got {type(rep).__name__} from rank "
+                                   f"{status.Get_source()}")
+            held = st.outstanding[rep.rank]
+            mb = next(m for m in held if m.mb_id == rep.mb_id)
+            held.remove(mb)
+            st.done_by.setdefault(rep.rank, []).append(mb)
+            st.losses[mb.mb_id] = rep.loss
+            self.speeds.record(rep.rank, rep.tokens, rep.seconds)
+
+    # ---- policy --------------------------------------------------------------------------
+    def cluster_state(self, st: StepState) -> ClusterState:
+        now = time.monotonic()
+        t0, marks = self._engine_mark
+        if now - t0 >= 1.0:
+            self._engine_rate = {e: (self.transport.tokens[e] - marks.get(e, 0)) / (now - t0) for e in marks}
+            self._engine_mark = (now, dict(self.transport.tokens))
+            self.metrics.append([EngineRow(time=time.time(), cell=e, tokens_per_s=r,
+                                           inflight=len(self.router.inflight(e)),
+                                           tokens_inflight=self.router.outstanding_tokens(e))
+                                 for e, r in self._engine_rate.items() if self.cell(e).role is Role.ROLLOUT])
+        inflight = self.router.inflight()
+        queued = sum(1 for rid in inflight if rid not in self.driver.started)
+        cells = tuple(CellState(
+            cell=c.id, kind=c.kind, role=c.role,
+            inflight_requests=len(self.router.inflight(c.id)) if c.role is Role.ROLLOUT else 0,
+            inflight_tokens=self.router.outstanding_tokens(c.id) if c.role is Role.ROLLOUT else 0,
+            rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0),
+            train_tokens_per_s=sum(self.speeds.rates.get(r, 0.0) for r in c.ranks)) for c in self.cells)
+        extra = {}
+        for role, key in ((Role.TRAIN, "rollout_to_train_s"), (Role.ROLLOUT, "train_to_rollout_s")):
+            if self.switch_s[role] is not None:
+                extra[key] = self.switch_s[role]
+        return ClusterState(time=time.time(), step=st.step, cells=cells, unfinished_runs=st.unfinished,
+                            queued_requests=queued, inflight_requests=len(inflight),
+                            tokens_inflight=sum(self.router.outstanding_tokens(e) for e in self.router.engines),
+                            train_backlog_tokens=st.backlog_tokens(), policy_version=self.policy_version,
+                            oldest_rollout_version=self.policy_version, **extra)
+
+    def consult(self, st: StepState) -> list[FlipRecord]:
+        changes = [ch for ch in self.policy(self.cluster_state(st)) if self.cell(ch.cell).role is not Role(ch.to)]
+        leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
+        engines_after = [c.id for c in self.cells if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
+        if leaving and not engines_after and (st.unfinished or self.router.unfinished()):
+            # The last engine stays while any run may still call the model.
+            changes = [ch for ch in changes if Role(ch.to) is not Role.TRAIN]
+        return self.apply(st, changes) if changes else []
+
+    def apply(self, st: StepState, changes: list[RoleChange]) -> list[FlipRecord]:
+        t0 = time.perf_counter()
+        self._poll_train(st, block=True)          # replicas finish what they hold first
+        for ch in changes:
+            if Role(ch.to) is Role.TRAIN and ch.cell in self.router.engines:
+                mig = self.router.drain(ch.cell)
+                self.result.migrations += len(mig.moved)
+        self.pause_engines()
+        before = {c.id: c.role for c in self.cells}
+        records = self.fleet.flip(st.step, len(st.flips), changes)
+        for c in self.cells:
+            if before[c.id] is Role.TRAIN and c.role is not Role.TRAIN:
+                for r in c.ranks:   # its gradients were dropped in the flip: the others redo its share
+                    st.pending[:0] = st.done_by.pop(r, [])
+                    for mb in st.outstanding.pop(r, []):
+                        st.pending.insert(0, mb)
+        self.resume_engines()
+        for c in self.cells:
+            if before[c.id] is not Role.ROLLOUT and c.role is Role.ROLLOUT:
+                self.router.add_engine(c.id)
+        took = time.perf_counter() - t0
+        for r in records:
+            self.switch_s[Role(r.to)] = took
+        st.flips.extend(records)
+        self.result.flips.extend(records)
+        return records
+
+    # ---- the step ------------------------------------------------------------------------
+    async def run_step(self, step: int) -> RLStepRecord | None:
+        t0 = time.perf_counter()
+        gate = staleness_bound(self.policy)
+        if step - 1 - self.policy_version > gate:
+            raise RuntimeError(f"step {step}: policy version {self.policy_version} is more than "
+                               f"scheduler.max_staleness={gate} behind")
+        st = StepState(step, self.sample_runs(step))
+        stored = self.stored_trees(step)
+        tasks = []
+        for spec in st.specs:
+            if spec.run_id in stored:
+                self._run_done(st, RunOutcome(spec, stored[spec.run_id], from_store=True))
+            else:
+                tasks.append(asyncio.create_task(self._agent(spec, st)))
+        interval = self.cfg.scheduler.interval_s
+        next_consult = 0.0
+        exit_at_step = False
+        while not (st.runs_done and not st.pending and not any(st.outstanding.values())):
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            events = self._pump()
+            self._poll_train(st)
+            now = time.monotonic()
+            if now >= next_consult:
+                self.consult(st)
+                next_consult = now + interval
+            self._deal(st)
+            if self.fleet.exit_requested():
+                exit_at_step = True
+                break
+            await asyncio.sleep(0 if events else 0.002)
+        if exit_at_step:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._poll_train(st, block=True)
+            return None
+        await asyncio.gather(*tasks)
+        # At the step's end the policy sees an empty rollout side and a backlog of 0: e.g.
+        # colocate sends its cells back to rollout before the next batch.
+        return self._finish(st, time.perf_counter() - t0)
+
+    def _pump(self) -> int:
+        return self.driver.pump()
+
+    def _finish(self, st: StepState, rollout_s: float) -> RLStepRecord:
+        outs = [st.outcomes[s.run_id] for s in st.specs]
+        n_runs = runs_in_step([int(o.tree.trained.sum()) for o in outs])
+        ranks = train_ranks(self.cells)
+        checksums = None
+        if n_runs:
+            version = self.policy_version + 1
+            for r in ranks:
+                self.world.send(messages.Finish(st.step, n_runs, version, self.verify_weights), dest=r,
+                                tag=protocol.TAG_COMMAND)
+            reps = self._collect(ranks)
+            bad = [r for r, rep in reps.items() if int(round(rep.replicas)) != len(ranks)]
+            if bad:
+                raise RuntimeError(f"step {st.step}: ranks {bad} reduced over a train_comm that is not the "
+                                   f"{len(ranks)} TRAIN ranks {ranks}")
+            state = reps[core_cell(self.cells).leader].state
+            for e in self.router.engines:
+                self.transport.call(e, "load_weights", (state, version))
+            self.policy_version = version
+            self.fleet.policy_version = version
+            if self.verify_weights:
+                checksums = {r: rep.checksum for r, rep in reps.items()}
+        self.trained_upto = len(self.store)
+        rewards = [o.tree.reward for o in outs]
+        loss = sum(st.losses.values()) / n_runs if n_runs else float("nan")
+        rec = RLStepRecord(step=st.step, wall_s=rollout_s, loss=loss, reward_mean=float(np.mean(rewards)),
+                           tokens=sum(mb.loss_tokens for v in st.done_by.values() for mb in v),
+                           policy_version=self.policy_version,
+                           train_cells=tuple(c.id for c in self.cells if c.role is Role.TRAIN), runs=len(outs),
+                           migrations=sum(o.migrations for o in outs), restarts=sum(o.restarts for o in outs),
+                           flips=len(st.flips), checksums=checksums)
+        now = time.time()
+        self.metrics.append([RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
+                                    status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
+                                    calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
+                                    restarts=o.restarts, policy_version=o.tree.policy_version) for o in outs])
+        self.metrics.add(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
+                                 replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
+                                 policy_version=self.policy_version))
+        return rec
+
+    def _collect(self, ranks: list[int]) -> dict[int, object]:
+        got: dict[int, object] = {}
+        status = MPI.Status()
+        while len(got) < len(ranks):
+            if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
+                got[status.Get_source()] = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)
+            else:
+                time.sleep(0.0005)
+        return got
+
+    # ---- checkpoints and the whole run -----------------------------------------------------
+    def save_checkpoint(self, step: int) -> Path:
+        staging = checkpoint.staging_dir(self.run.checkpoints, step)
+        core = core_cell(self.cells).leader
+        extra = {"step": step, "policy_version": self.policy_version}
+        self.world.send(messages.SaveRL(str(staging), extra), dest=core, tag=protocol.TAG_COMMAND)
+        self._collect([core])
+        meta = checkpoint.CheckpointMeta(step=step, policy_version=self.policy_version,
+                                         roles={str(c.id): c.role.value for c in self.cells},
+                                         files=list(OPTIMIZER_FILES),
+                                         extra={"trees_committed": len(self.store), "trained_upto": self.trained_upto,
+                                                "workload": "rl"})
+        return checkpoint.commit(self.run.checkpoints, step, meta, keep=self.fleet.keep_checkpoints)
+
+    def stop(self, code: int) -> RLFleetResult:
+        self.pause_engines()
+        # Prompt tokens prefilled more than once across engines: 0 unless a migrated
+        # sequence was recomputed instead of continued from its KV cache.
+        prefilled = sum(c.prefill_tokens for c in self.engine_counters.values())
+        self.result.recomputed_prefill_tokens = prefilled - self.driver.prompt_tokens
+        for c in self.cells:
+            for r in c.ranks:
+                self.world.send(protocol.Stop(code), dest=r, tag=protocol.TAG_COMMAND)
+        self.result.exit_code = code
+        return self.result
+
+    async def serve_async(self) -> RLFleetResult:
+        steps = self.cfg.train.steps
+        self.resume_engines()
+        last_saved = self.start_step - 1
+        step = self.start_step
+        while step <= steps and not self.fleet.exit_requested():
+            rec = await self.run_step(step)
+            if rec is None:
+                break
+            self.result.steps.append(rec)
+            self.result.last_completed = step
+            print(f"[rl] step {step}/{steps} reward {rec.reward_mean:.3f} loss {rec.loss:.4f} "
+                  f"train cells {list(rec.train_cells)} flips {rec.flips} migrations {rec.migrations} "
+                  f"{rec.wall_s:.2f}s", flush=True)
+            if step % self.cfg.train.checkpoint_every == 0 or step == steps:
+                self.save_checkpoint(step)
+                last_saved = step
+            step += 1
+        if self.result.last_completed >= steps:
+            return self.stop(EXIT_DONE)
+        if self.result.last_completed > last_saved:
+            self.save_checkpoint(self.result.last_completed)
+        print(f"[rl] {CHECKPOINT_AND_EXIT}: checkpointed step {self.result.last_completed}, exiting "
+              f"{EXIT_CHECKPOINTED}", flush=True)
+        return self.stop(EXIT_CHECKPOINTED)
+
+    def serve(self) -> RLFleetResult:
+        return asyncio.run(self.serve_async())

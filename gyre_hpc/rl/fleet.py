@@ -1,0 +1,119 @@
+"""Starting the RL fleet on every rank (``python -m gyre_hpc.cells`` with ``workload: rl``).
+
+The same shape as ``cells.fleet.run_fleet``: the same world layout, communicators, resume
+from ``checkpoints/latest`` and one startup broadcast from the core cell; what differs is
+what runs on top: ``RLController`` on rank 0, ``RLCellRank`` (engine + trainer) elsewhere.
+Resume: the core leader loads the HF-format weights and the optimizer state; the startup
+broadcast gives every cell both; the controller learns from the checkpoint's meta which
+committed trees are trained (``trained_upto``) and where to continue.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from gyre_hpc.cells import checkpoint, comms, weights
+from gyre_hpc.cells.cell_rank import CellRank
+from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.cells.fleet import resolve_policy
+from gyre_hpc.cells.plan import CONTROLLER_RANK, cell_of_rank, core_cell, plan_cells, world_size
+from gyre_hpc.config import ConfigError, RunConfig, load_config
+from gyre_hpc.rl.cell import RLCellRank
+from gyre_hpc.rl.controller import RLController, RLFleetResult
+from gyre_hpc.rl.trainer import RLTrainer
+from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.metrics import MetricsWriter
+from gyre_hpc.sched.state import Policy, Role
+from gyre_hpc.trees.store import TreeStore
+
+
+@dataclass(frozen=True)
+class RLFleetOptions:
+    policy: Policy | None = None      # None: the one cfg.scheduler names
+    verify_weights: bool = False      # replicas report state checksums at each step's end (tests)
+    max_batch: int = 64               # engine continuous-batching width
+
+
+def check_rl_config(cfg: RunConfig) -> None:
+    if cfg.cells.ranks_per_cell != 1:
+        raise ConfigError(f"cells.ranks_per_cell={cfg.cells.ranks_per_cell}: the rl workload runs one rank per "
+                          f"cell (an engine or a replica each); set cells.ranks_per_cell=1")
+    if cfg.rollout.engine != "torch":
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: the rl workload on this build serves "
+                          f"'torch' engines only")
+
+
+def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
+                 world: MPI.Intracomm = MPI.COMM_WORLD) -> RLFleetResult | int:
+    torch.set_num_threads(int(os.environ.get("GYRE_TORCH_THREADS", "1")))
+    run = RunDir.at(run_dir)
+    cfg = load_config(run.config)
+    check_rl_config(cfg)
+    if world.Get_size() != world_size(cfg.cells):
+        raise ConfigError(
+            f"the MPI world has {world.Get_size()} ranks; cells.count={cfg.cells.count} x "
+            f"cells.ranks_per_cell={cfg.cells.ranks_per_cell} + 1 controller needs {world_size(cfg.cells)}")
+    latest = checkpoint.latest_dir(run.checkpoints)
+    meta = checkpoint.read_meta(latest) if latest is not None else None
+    roles = {int(c): Role(r) for c, r in meta.roles.items()} if meta else None
+    cells = plan_cells(cfg.cells, roles)
+    rank = world.Get_rank()
+    cell_comm = comms.split_cell_comm(world, cells)
+    cells_comm = comms.split_cells_comm(world, cells)
+    train_comm = comms.split_train_comm(world, cells)
+    # The engine service gets its own communicator so its tags meet no fleet command.
+    engine_comm = world.Dup()
+    version = meta.policy_version if meta else 0
+    if rank == CONTROLLER_RANK:
+        run.make()
+        policy = options.policy or resolve_policy(cfg)
+        with MetricsWriter(run.metrics) as metrics, TreeStore.open(run.trees, "a") as store:
+            start = meta.step + 1 if meta else 1
+            trained_upto = int(meta.extra.get("trained_upto", 0)) if meta else 0
+            if trained_upto > len(store):
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {latest} says {trained_upto} trees were trained, but {run.trees} commits only "
+                    f"{len(store)}: the store is older than the checkpoint")
+            metrics.event("fleet_resume" if meta else "fleet_start", step=start,
+                          detail=f"rl from {latest.name}, {len(store)} trees stored" if latest else "rl fresh")
+            ctl = RLController(world, engine_comm, cfg, run, cells, policy, metrics, store, start_step=start,
+                               policy_version=version, trained_upto=trained_upto,
+                               verify_weights=options.verify_weights)
+            result = ctl.serve()
+            metrics.event("fleet_exit", step=result.last_completed, detail=f"exit {result.exit_code}")
+        return result
+
+    trainer = RLTrainer(cfg)
+    core = core_cell(cells)
+    if latest is not None and rank == core.leader:
+        trainer.load(latest)
+    weights.bcast_state_dict(trainer.state_dict() if rank == core.leader else None, cells_comm, root=0,
+                             into=None if rank == core.leader else trainer.state_dict())
+    me = cell_of_rank(cells, rank)
+    engine = TorchEngine(trainer.model, name=f"cell{me.id}", version=version, max_batch=options.max_batch,
+                         seed=cfg.seed * 1009 + me.id)
+    cell_rank = CellRank(world=world, cells=cells, workload=trainer,
+                         rank_comms=comms.RankComms(world=world, cell=cell_comm, train=train_comm))
+    return RLCellRank(cell_rank, trainer, engine, engine_comm).serve()
+
+
+def main_guarded(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
+                 world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
+    """run_rl_fleet, with any exception on any rank ending the whole world (see cells.fleet)."""
+    try:
+        out = run_rl_fleet(run_dir, options, world)
+    except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        sys.stderr.write(f"[rl fleet rank {world.Get_rank()}] fatal: {type(exc).__name__}: {exc}\n")
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        world.Abort(1)
+        raise
+    return out.exit_code if isinstance(out, RLFleetResult) else int(out)

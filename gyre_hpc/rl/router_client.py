@@ -1,0 +1,95 @@
+"""The harness's model client over the router: runs on the controller's event loop call
+engines on other ranks.
+
+``RouterDriver.generate`` submits a request through the ``Router`` (least outstanding
+tokens) and awaits a future; the controller's pump (``pump``) polls the router between
+harness steps and resolves the futures, so MPI is pumped on the loop's thread while tool
+calls run in worker threads. Seeds come from ``harness.engine_client.RunClient`` (a hash
+of run seed and prompt), so a replayed or resumed run asks for the same samples.
+
+Per run it counts migrations (from each ``Output``) and restarts: a model call of the run
+submitted again for the same prompt, i.e. work redone from scratch. With KV migration a
+flip never causes one; the counter is there so a test can see that.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+
+from gyre_hpc.cells.engines.requests import Output, Request, SamplingParams
+from gyre_hpc.cells.router import Router
+from gyre_hpc.harness.client import Completion
+from gyre_hpc.harness.engine_client import RunClient
+
+
+class RouterDriver:
+    def __init__(self, router: Router, temperature: float = 1.0, top_p: float = 1.0):
+        self.router = router
+        self.temperature = temperature
+        self.top_p = top_p
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens = 0      # prompt tokens submitted (each must be prefilled exactly once)
+        self.started: set[str] = set()   # requests that produced a token (prefilled)
+
+    def client(self, run_id: str, run_seed: int) -> "CountingRunClient":
+        return CountingRunClient(self, run_seed, run_id)
+
+    async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], seed: int,
+                       tag: str = "r") -> Output:
+        rid = f"{tag}-{next(self._ids)}"
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                                seed=seed, stop_token_ids=tuple(stop))
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        request = Request(rid, tuple(int(t) for t in prompt), params)
+        self.router.submit(request)
+        self.prompt_tokens += request.prompt_len
+        try:
+            return await fut
+        finally:
+            self._waiting.pop(rid, None)
+
+    def pump(self) -> int:
+        """Poll the engines once; resolve finished requests. Returns token events seen."""
+        events = self.router.poll()
+        for ev in events:
+            if ev.index == 0:
+                self.started.add(ev.request_id)
+        for out in self.router.pop_finished():
+            self.started.discard(out.request_id)
+            fut = self._waiting.get(out.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(out)
+        return len(events)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+
+class CountingRunClient(RunClient):
+    def __init__(self, driver: RouterDriver, run_seed: int, run_id: str):
+        super().__init__(driver, run_seed)
+        self.run_id = run_id
+        self.migrations = 0
+        self.calls = 0
+        self._prompts: Counter = Counter()
+
+    @property
+    def restarts(self) -> int:
+        return sum(n - 1 for n in self._prompts.values() if n > 1)
+
+    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
+        self._prompts[hash(tuple(prompt))] += 1
+        out = await self.driver.generate(prompt, max_new_tokens, stop, self.seed_for(prompt), tag=self.run_id)
+        self.calls += 1
+        self.migrations += out.migrations
+        return Completion(tuple(out.token_ids), tuple(out.logprobs), out.policy_version)

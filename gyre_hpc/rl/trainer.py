@@ -1,0 +1,156 @@
+"""What a TRAIN rank runs: TinyLM + AdamW + the tree loss on packed rows.
+
+State that moves on a flip. A replica joining the training communicator must apply
+*identical* updates to the other replicas, so it needs the model weights AND the AdamW
+moments (and step count) of the core cell. ``state_dict()`` therefore returns both, under
+``model.*`` and ``optim.*`` names: the fleet's flip machinery (``CellRank.flip`` ->
+``weights.bcast_state_dict``) moves whatever that dict holds, in place. The optimizer state is
+created eagerly (zeros, step 0) so every tensor exists before the first step and the dict
+has the same names and shapes on every rank, trained or not.
+
+Gradient weighting. The loss module's contract is "sum over tokens of
+1/(run tokens x runs in the step)". The streaming trainer sees a step's runs group by group
+(a group's advantages exist once its G runs are done), before the step's run count is known.
+So micro-batches are computed with per-run weights ``1/run tokens`` (``StepWeights`` with
+``n_runs=1``), replicas' gradients are summed (allreduce), and the sum is divided by the
+step's run count once at the end: the same gradient as the full-batch loss, exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gyre_hpc.cells.workload import MicroResult
+from gyre_hpc.config import RunConfig
+from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
+from gyre_hpc.models.tiny_lm import TinyLM, build_model
+from gyre_hpc.trees.loss import StepWeights, packed_loss
+from gyre_hpc.trees.packing import PackedRow, collate
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of one micro-batch and the per-run figures their loss needs (pickled to a replica)."""
+
+    step: int
+    mb_id: int
+    rows: tuple[PackedRow, ...]
+    advantages: np.ndarray      # float64 [R], R = runs referenced by run_index
+    run_tokens: np.ndarray      # int64 [R]
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.n_tokens for r in self.rows)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(r.n_loss_tokens for r in self.rows)
+
+    def weights(self) -> StepWeights:
+        # n_runs=1: the 1/(runs in step) factor is applied once, after the allreduce.
+        return StepWeights(self.advantages, self.run_tokens, 1)
+
+
+def initial_model(cfg: RunConfig) -> TinyLM:
+    if cfg.model.path:
+        return load_pretrained(cfg.model.path, dtype=torch.float32)
+    return build_model(cfg.model.preset, seed=cfg.seed)
+
+
+class RLTrainer:
+    """One replica's model and optimizer; the model is shared with the cell's engine."""
+
+    def __init__(self, cfg: RunConfig, model: TinyLM | None = None):
+        self.cfg = cfg
+        self.model = model if model is not None else initial_model(cfg)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        for p in self.params:
+            self.opt.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        self.zero_grads()
+
+    # ---- what moves on a flip and goes into checkpoints ---------------------------------
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in zip(self.names, self.params):
+            for key, t in self.opt.state[p].items():
+                out[f"optim.{name}.{key}"] = t
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights and optimizer moments; receiving into these tensors in place updates both."""
+        out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        out.update(self.optimizer_state())
+        return out
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    # ---- training -----------------------------------------------------------------------
+    def train_micro_batch(self, mb: MicroBatch) -> MicroResult:
+        batch = collate(list(mb.rows))
+        loss = packed_loss(self.model, batch, mb.weights(), self.cfg.train.clip_eps, self.cfg.train.attention)
+        loss.backward()
+        return MicroResult(loss=float(loss.detach()), tokens=mb.loss_tokens)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params]
+
+    def zero_grads(self) -> None:
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+
+    def apply_update(self, scale: float) -> None:
+        """Optimizer step on the (summed) gradients times ``scale`` (1 / runs in the step)."""
+        with torch.no_grad():
+            for g in self.grad_tensors():
+                g.mul_(scale)
+        self.opt.step()
+        self.zero_grads()
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def save(self, directory: str | Path, extra: dict | None = None) -> None:
+        """HF-format model directory plus the optimizer state beside it."""
+        from safetensors.torch import save_file
+
+        save_pretrained(self.model, directory, extra=extra)
+        tensors = {k: v.detach().contiguous().clone() for k, v in self.optimizer_state().items()}
+        save_file(tensors, str(Path(directory) / OPTIMIZER_FILE))
+
+    def load(self, directory: str | Path) -> None:
+        """Weights and optimizer state from a directory ``save`` wrote (names and shapes checked)."""
+        from safetensors.torch import load_file
+
+        from gyre_hpc.cells.checkpoint import CheckpointError
+
+        stored = load_pretrained(directory, dtype=torch.float32).state_dict()
+        path = Path(directory) / OPTIMIZER_FILE
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory}: {OPTIMIZER_FILE} is missing")
+        optim = load_file(str(path))
+        local = self.state_dict()
+        incoming = {f"model.{k}": v for k, v in stored.items()} | optim
+        missing = sorted(set(local) - set(incoming))
+        extra = sorted(set(incoming) - set(local))
+        if missing or extra:
+            raise CheckpointError(f"checkpoint {directory}: tensors missing {missing[:5]}, unexpected {extra[:5]}")
+        with torch.no_grad():
+            for name, t in local.items():
+                src = incoming[name]
+                if src.shape != t.shape:
+                    raise CheckpointError(f"checkpoint {directory}: {name} has shape {tuple(src.shape)}, "
+                                          f"the model needs {tuple(t.shape)}")
+                t.copy_(src)
+
+
+def runs_in_step(run_tokens: Sequence[int]) -> int:
+    """Runs that count in the step average: those with at least one trained token."""
+    return int(sum(1 for n in run_tokens if n > 0))
