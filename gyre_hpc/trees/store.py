@@ -456,7 +456,10 @@ def _open_group(root: Path, writable: bool) -> tuple[zarr.Group, StoreLayout]:
     for spec in ARRAYS:
         if not (root / spec.name / "zarr.json").is_file():
             raise StoreError(f"{root / spec.name / 'zarr.json'} is missing: array {spec.name!r} of schema {SCHEMA_VERSION}")
-        arr = group[spec.name]
+        try:
+            arr = group[spec.name]
+        except Exception as exc:
+            raise StoreError(f"{root / spec.name / 'zarr.json'}: cannot open array {spec.name!r}: {exc}") from exc
         if tuple(arr.metadata.dimension_names or ()) != (spec.dim,) or arr.chunks != (layout.chunk(spec.dim),):
             raise StoreError(
                 f"{root / spec.name / 'zarr.json'}: array {spec.name!r} has dims {arr.metadata.dimension_names} and "

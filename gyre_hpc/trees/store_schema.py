@@ -186,6 +186,12 @@ def validate_tree(tree: Tree, where: str) -> None:
             raise InvalidTreeError(f"{where}.{name}: expected str, got {type(getattr(tree, name)).__name__}")
     if not all(isinstance(a, str) for a in tree.call_agent):
         raise InvalidTreeError(f"{where}.call_agent: every agent must be a str")
+    for name in ("reward", "wall_s"):
+        value = getattr(tree, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise InvalidTreeError(f"{where}.{name}={value!r}: expected a number")
+    if isinstance(tree.policy_version, bool) or not isinstance(tree.policy_version, (int, np.integer)):
+        raise InvalidTreeError(f"{where}.policy_version={tree.policy_version!r}: expected an int")
     if tree.status not in STATUSES:
         raise InvalidTreeError(f"{where}.status={tree.status!r}: valid statuses are {', '.join(STATUSES)}")
     _as_int(np.asarray(list(tree.dropped_calls), dtype=np.int64), "int32", f"{where}.dropped_calls")

@@ -73,7 +73,9 @@ def test_trees_built_from_synthetic_journals_round_trip_with_their_paths(tmp_pat
     runs = synthetic_runs(n_tasks=2, runs_per_task=2, seed=3)
     trees = [build_tree(r.journal, run_id=r.run_id, task_id=r.task_id, reward=r.reward, policy_version=7)
              for r in runs]
-    with TreeStore.open(tmp_path / "t.zarr", "a", layout=SMALL) as store:
+    # Chunks well below a tree's ~16k tokens, but not so small that 64k tokens take 128 files.
+    layout = StoreLayout(token_chunk=4096, node_chunk=64, call_chunk=64, dropped_chunk=4, tree_chunk=2)
+    with TreeStore.open(tmp_path / "t.zarr", "a", layout=layout) as store:
         store.append(trees[:1])
         store.append(trees[1:])
     reader = TreeStore.open(tmp_path / "t.zarr")
@@ -130,6 +132,10 @@ def test_invalid_tree_is_refused_naming_field_and_nothing_is_written(tmp_path):
     short.logprobs = short.logprobs[:-1]
     with pytest.raises(InvalidTreeError, match=r"trees\[0\]\.logprobs"):
         store.append([short])
+    no_reward = random_tree(8)
+    no_reward.reward = "0.5"
+    with pytest.raises(InvalidTreeError, match=r"trees\[0\]\.reward='0.5': expected a number"):
+        store.append([no_reward])
     assert marker_path(path).read_bytes() == before and len(store) == 2
     store.append(sample_trees([3]))
     store.close()
@@ -169,6 +175,12 @@ def test_open_errors_name_the_file(tmp_path):
     with pytest.raises(StoreError, match=r"control/commit\.json is missing"):
         TreeStore.open(path)
     marker_path(path).write_bytes(good)
+
+    array_meta = (path / "reward" / "zarr.json").read_bytes()
+    (path / "reward" / "zarr.json").write_bytes(array_meta[:40])
+    with pytest.raises(StoreError, match=r"reward/zarr\.json: cannot open array 'reward'"):
+        TreeStore.open(path)
+    (path / "reward" / "zarr.json").write_bytes(array_meta)
 
     meta = json.loads((path / "zarr.json").read_text())
     meta["attributes"]["gyre_tree_store"]["schema_version"] = 2
