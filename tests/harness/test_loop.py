@@ -111,7 +111,7 @@ def test_finished_journal_is_not_rerun(tmp_path):
 
 
 def test_timed_out_run_is_scored_from_its_saved_workspace(tmp_path):
-    task = next(t for t in load_suite("easy") if t.task_id == "answer-ok")
+    task = next(t for t in load_suite("easy") if t.task_id == "answer-short")
     task = type(task)(**{**task.__dict__, "max_turns": 5})
 
     def policy(prompt):
@@ -122,7 +122,7 @@ def test_timed_out_run_is_scored_from_its_saved_workspace(tmp_path):
              cfg=HarnessConfig(max_new_tokens=16, context_limit=512, run_timeout_s=1.5))
     assert time.monotonic() - t0 < 8
     assert r.status == "timeout"
-    assert r.reward == 0.75 and r.check.passed == (True, False, True, True)   # 'ok' but no digit yet
+    assert r.reward == 0.75 and r.check.passed == (True, True, False, True)   # 'ok' but no digit yet
     state = load_journal(tmp_path / "r.jsonl")
     assert (state.status, state.reward) == ("timeout", 0.75)
 

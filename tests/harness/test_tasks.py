@@ -32,10 +32,10 @@ def test_repo_task_scores_initial_workspace_low_and_reference_solution_full(task
     assert report.score == 1.0, report.summary()
 
 
-@pytest.mark.parametrize("answer,score", [(None, 0.0), ("", 0.0), ("hello world, this is long", 0.25),
+@pytest.mark.parametrize("answer,score", [(None, 0.0), ("", 0.0), ("hello world, this is long", 0.5),
                                           ("ok", 0.75), ("7 apples", 0.75), ("ok 42\n", 1.0)])
 def test_easy_task_gives_graded_partial_credit(tmp_path, answer, score):
-    task = next(t for t in load_suite("easy") if t.task_id == "answer-ok")
+    task = next(t for t in load_suite("easy") if t.task_id == "answer-short")
     ws = task.materialize(tmp_path / "ws")
     if answer is not None:
         (ws / "answer.txt").write_text(answer)

@@ -3,11 +3,13 @@
 ``easy``: answer-file tasks a tiny byte-level model learns within a few RL steps. Why it
 can: the run is ONE model call (max_turns=1) and, since any output that is not a tool call
 is appended to ``answer.txt``, the reward is a function of that single output's bytes.
-Each check is a simple, local property of those bytes (non-empty, holds a digit, short,
-starts with "ok"), so even a random policy earns some checks (a smooth, dense signal
-rather than all-or-nothing), and each check is reachable by shifting probability mass on
-a few byte positions (the first two bytes, any digit, an early EOS). Group-normalised
-advantages then push the policy up that gradient step by step.
+Each check is a simple, local property of those bytes (non-empty, starts with a lowercase
+letter, holds a digit, short), so even a random policy earns some checks (a graded, dense
+signal rather than all-or-nothing), and every check is one that random sampling hits often
+enough to be reinforced: a lowercase first byte (26 of 264 ids, ~10%), a digit somewhere
+(~10/264 per byte), an early EOS. A check a random policy never hits (say "starts with
+'ok'", 1 in ~70,000) gives no gradient and cannot be learnt in a few steps. Group-
+normalised advantages then push the policy up each check's gradient step by step.
 
 ``repo``: small repository-building tasks (write a module, fix a bug, make a package),
 a few tests each, for models that have learnt the tool-call syntax.
@@ -23,13 +25,13 @@ def _answer() -> str:
 
 EASY = (
     Task(
-        task_id="answer-ok",
-        spec="Write a short answer that starts with 'ok' and holds a digit, at most 20 bytes.",
+        task_id="answer-short",
+        spec="Answer in at most 16 bytes, starting with a lowercase letter and holding a digit.",
         tests=(
             TaskTest("not_empty", _answer() + "assert data.strip()"),
+            TaskTest("starts_lower", _answer() + "assert data[:1].islower()"),
             TaskTest("has_digit", _answer() + "assert any(48 <= b <= 57 for b in data)"),
-            TaskTest("short", _answer() + "assert 0 < len(data) <= 20"),
-            TaskTest("starts_ok", _answer() + "assert data.startswith(b'ok')"),
+            TaskTest("short", _answer() + "assert 0 < len(data) <= 16"),
         ),
         max_turns=1,
     ),
