@@ -56,6 +56,9 @@ class SchedulerConfig(_Section):
     max_staleness: int = Field(1, ge=0, description="policy versions a rollout may lag the trainer")
     # scripted: flip every elastic cell each step (the substrate smoke test).
     interval_s: float = Field(0.5, gt=0, description="how often the controller re-evaluates the policy")
+    # elastic: its thresholds (gyre_hpc.sched.elastic.ElasticParams, e.g. target_requests_per_engine);
+    # unknown names fail at fleet start listing the valid ones.
+    elastic: dict[str, float | int] = Field(default_factory=dict, description="elastic policy parameters")
 
 
 class ModelConfig(_Section):

@@ -68,4 +68,6 @@ def policy_from_config(scheduler: Any) -> Policy:
     """The policy a run's ``scheduler`` config section names, with the parameters it sets."""
     if scheduler.policy == "async":
         return get_policy("async", train_cells=scheduler.async_train_cells, max_staleness=scheduler.max_staleness)
+    if scheduler.policy == "elastic":
+        return get_policy("elastic", **dict(getattr(scheduler, "elastic", None) or {}))
     return get_policy(scheduler.policy)

@@ -199,3 +199,13 @@ def test_registry_resolves_scripted_lazily_from_its_module():
     assert all(c.cell != 0 for c in p(s))
     with pytest.raises(ValueError, match=r"'scripted' has no parameter speed; valid parameters: \(none\)"):
         get_policy("scripted", speed=2)
+
+
+def test_policy_from_config_passes_elastic_parameters_and_names_bad_ones():
+    from gyre_hpc.config import build_config
+    cfg = build_config({"scheduler": {"policy": "elastic", "elastic": {"target_requests_per_engine": 8, "fill": 0.5}}})
+    p = policy_from_config(cfg.scheduler)
+    assert (p.params.target_requests_per_engine, p.params.fill) == (8, 0.5)
+    bad = build_config({"scheduler": {"elastic": {"slots": 3}}})
+    with pytest.raises(ValueError, match="no parameter slots; valid parameters: .*target_requests_per_engine"):
+        policy_from_config(bad.scheduler)
