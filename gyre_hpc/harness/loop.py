@@ -134,6 +134,11 @@ class AgentRun:
             return await self._run_once(None)
 
     async def _run_once(self, state: JournalState | None) -> RunResult:
+        # A workspace is reset only when this run's journal shows the run owns it.
+        if not self.journal_path.exists() and self.workspace_path.exists() and any(self.workspace_path.iterdir()):
+            raise FileExistsError(
+                f"workspace {self.workspace_path} is not empty and has no journal at {self.journal_path}: "
+                f"refusing to overwrite files this run did not create")
         self.task.materialize(self.workspace_path)
         self.ws = Workspace(self.workspace_path, self.cfg.command_limits)
         self.replay = list(state.calls) if state is not None else []

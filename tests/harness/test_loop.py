@@ -173,3 +173,20 @@ def test_context_limit_too_small_for_the_header_is_refused(tmp_path):
     with pytest.raises(ValueError, match="rollout.context_limit=120 is too small for task 'say-hi'"):
         AgentRun(HI_TASK, tmp_path / "ws", ScriptClient(), tmp_path / "j.jsonl",
                  HarnessConfig(max_new_tokens=24, context_limit=120))
+
+
+def test_foreign_workspace_is_never_overwritten(tmp_path):
+    ws = tmp_path / "ws-r"
+    ws.mkdir()
+    (ws / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="ws-r is not empty and has no journal"):
+        _run(tmp_path, ScriptClient())
+    assert (ws / "precious.txt").read_text() == "keep me"
+
+
+def test_harness_config_follows_the_rollout_section():
+    from gyre_hpc.config import build_config
+
+    cfg = build_config({}, ["rollout.max_new_tokens=32", "rollout.context_limit=300", "rollout.run_timeout_s=9"])
+    h = HarnessConfig.from_rollout(cfg.rollout, max_retries=2)
+    assert (h.max_new_tokens, h.context_limit, h.run_timeout_s, h.max_retries) == (32, 300, 9.0, 2)
