@@ -33,7 +33,9 @@ def sweep(base: Workload) -> dict:
     for knob, value, w in sweep_points(base):
         rep = compare(w)
         hours = {k: v["total_h"] for k, v in rep["policies"].items()}
-        rows.append({"knob": knob, "value": value, **{f"{k}_h": h for k, h in hours.items()}, **rep["speedup"],
+        seconds = {k: v["total_s"] for k, v in rep["policies"].items()}
+        rows.append({"knob": knob, "value": value, **{f"{k}_h": h for k, h in hours.items()},
+                     **{f"{k}_s": x for k, x in seconds.items()}, **rep["speedup"],
                      "async_train_cells": rep["async_train_cells"], "sim_wall_s": rep["sim_wall_s"]})
     return {"base": base.name, "steps": base.steps, "cells": base.fleet.cells, "rows": rows,
             "elastic_slower_than": {

@@ -1,0 +1,46 @@
+"""``gyre-hpc sim``: JSON with each policy's hours and elastic's speedups; sweep; bad input."""
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from gyre_hpc.cli import main
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["sim", *args], catch_exceptions=False)
+
+
+def test_sim_json_reports_hours_and_speedups_measured_in_the_same_run(tmp_path):
+    r = invoke("--preset", "tiny", "--json", "--out", str(tmp_path), "--set", "steps=2")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    hours = rep["total_h"]
+    assert set(hours) == {"elastic", "async", "colocate"}
+    secs = {k: v["total_s"] for k, v in rep["policies"].items()}
+    assert abs(rep["speedup"]["elastic_over_async"] - secs["async"] / secs["elastic"]) < 1e-3
+    for name in hours:
+        assert (tmp_path / name / "metrics.h5").is_file() and (tmp_path / name / "sim.json").is_file()
+    assert "paper_reported_h" not in rep  # only printed beside the paper preset
+
+
+def test_sim_set_and_workload_errors_name_the_field(tmp_path):
+    r = CliRunner().invoke(main, ["sim", "--preset", "tiny", "--set", "fleet.celz=3"])
+    assert r.exit_code != 0 and "workload.fleet.celz: unknown key" in r.output
+    bad = tmp_path / "w.yaml"
+    bad.write_text("run:\n  timeout_s: -1\n")
+    r = CliRunner().invoke(main, ["sim", "--workload", str(bad)])
+    assert r.exit_code != 0 and "run.timeout_s=-1" in r.output and str(bad) in r.output
+
+
+def test_sim_sweep_json_has_every_knob_and_says_where_elastic_is_slower():
+    r = invoke("--preset", "tiny", "--sweep", "--sweep-steps", "1", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    knobs = {row["knob"] for row in rep["rows"]}
+    assert knobs == {"tail_sigma", "switch_cost_x", "cells", "train_cost_x"}
+    for row in rep["rows"]:
+        assert abs(row["elastic_over_colocate"] - row["colocate_s"] / row["elastic_s"]) < 1e-3
+    slower = rep["elastic_slower_than"]
+    assert slower["colocate"] == [f"{r['knob']}={r['value']}" for r in rep["rows"] if r["elastic_over_colocate"] < 1]
