@@ -167,6 +167,13 @@ def _collect(proc: subprocess.Popen, deadline: float, limits: Limits) -> tuple[b
                 break
     finally:
         sel.close()
+    if killed is None:
+        # EOF is not exit: a command may close its output and keep running.
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            killed = "timeout"
+            _kill_group(proc)
     proc.wait()
     # The group may outlive its leader (plain mode: a background child); nothing of it stays.
     _kill_group(proc)

@@ -8,7 +8,7 @@ result, never raised out of the run: a bad path is the model's mistake, not the 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gyre_hpc.harness.confine import CommandResult, Limits, WorkspaceEscape, resolve_in_workspace, run_confined
@@ -66,14 +66,12 @@ class Workspace:
         if not base.is_dir():
             raise ToolError(f"no directory {path!r} in the workspace")
         found: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames.sort()
-            for name in sorted(filenames):
-                found.append(os.path.relpath(os.path.join(dirpath, name), self.root))
-        return found[: self.max_list_entries]
+        for dirpath, _, filenames in os.walk(base):
+            found.extend(os.path.relpath(os.path.join(dirpath, name), self.root) for name in filenames)
+        return sorted(found)[: self.max_list_entries]
 
     def run(self, command: str, wall_s: float | None = None) -> CommandResult:
         limits = self.limits
         if wall_s is not None and wall_s < limits.wall_s:
-            limits = Limits(**{**limits.__dict__, "wall_s": max(wall_s, 0.05)})
+            limits = replace(limits, wall_s=max(wall_s, 0.05))
         return run_confined(command, self.root, limits)

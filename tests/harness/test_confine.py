@@ -221,3 +221,10 @@ def test_non_root_user_gets_the_jail_through_a_user_namespace(tmp_path):
         assert _procs_running(b"sleep\x00300") == []
     finally:
         shutil.rmtree(base)
+
+
+def test_command_that_closes_its_output_still_meets_the_wall_clock(ws):
+    t0 = time.monotonic()
+    r = run_confined("exec >/dev/null 2>&1; sleep 100", ws, Limits(wall_s=1.0))
+    assert r.timed_out and time.monotonic() - t0 < 5
+    assert _procs_running(b"sleep\x00100") == []

@@ -75,3 +75,16 @@ def test_tiny_model_learns_the_easy_task_in_a_few_policy_gradient_steps(tmp_path
         engine.load_weights(policy.state_dict(), step + 1)
     print("mean reward per step", np.round(means, 3).tolist())
     assert np.mean(means[-3:]) >= np.mean(means[:3]) + 0.1, means
+
+
+def test_engine_failure_fails_the_run_but_still_scores_and_journals_it(tmp_path):
+    from gyre_hpc.harness.journal import load_journal
+
+    engine = TorchEngine(build_model("tiny", seed=0))
+    engine.sleep()                     # a real engine state in which submit refuses work
+    driver = EngineDriver(engine, temperature=0.0)
+    task = load_suite("easy")[0]
+    r = asyncio.run(AgentRun(task, tmp_path / "ws", driver.client(0), tmp_path / "j.jsonl",
+                             HarnessConfig(max_new_tokens=16, context_limit=512)).run())
+    assert r.status == "failed" and "EngineError" in r.error and r.reward == 0.0
+    assert load_journal(tmp_path / "j.jsonl").status == "failed"
