@@ -109,18 +109,27 @@ def _in_child(variant: str, **kwargs) -> dict:
 @click.option("--calls", "n_calls", default=200, show_default=True, help="model calls per run")
 @click.option("--preset", default="tiny", show_default=True, help="model preset (gyre_hpc.models.tiny_lm.PRESETS)")
 @click.option("--row-tokens", default=4096, show_default=True, help="tokens per packed row (micro-batch)")
+@click.option("--repeats", default=2, show_default=True,
+              help="measure each variant this many times, interleaved; the fastest counts (shared CPUs are noisy)")
 @click.option("--seed", default=0, show_default=True)
-def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: int, seed: int) -> None:
+def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: int, repeats: int, seed: int) -> None:
     """Tokens, step time and peak memory: tree training vs per-path training."""
     runs, trees = _workload(n_runs, n_calls, seed)
     expanded = sum(c.prompt.size + c.output.size for r in runs for c in r.journal)
     in_tree = sum(t.n_tokens for t in trees)
     kwargs = dict(n_runs=n_runs, n_calls=n_calls, seed=seed, preset=preset, row_tokens=row_tokens)
-    per_path = _in_child("per_path", **kwargs)
-    tree = _in_child("tree", **kwargs)
+    if n_runs < 2:
+        raise click.BadParameter("needs >= 2 runs: one run alone has zero group-normalised advantage", param_hint="--runs")
+    if repeats < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--repeats")
+    measured: dict[str, list[dict]] = {"per_path": [], "tree": []}
+    for _ in range(repeats):
+        for variant in measured:
+            measured[variant].append(_in_child(variant, **kwargs))
+    per_path, tree = (min(measured[v], key=lambda m: m["step_s"]) for v in ("per_path", "tree"))
     emit({
         "workload": {
-            "runs": n_runs, "calls_per_run": n_calls, "model": preset, "row_tokens": row_tokens,
+            "runs": n_runs, "calls_per_run": n_calls, "model": preset, "row_tokens": row_tokens, "repeats": repeats,
             "generator": "gyre_hpc.trees.synthetic defaults (compressions, sub-agents, retries)",
         },
         "tokens": {
@@ -134,7 +143,7 @@ def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: i
             "per_path": per_path["step_s"],
             "tree": tree["step_s"],
             "ratio": per_path["step_s"] / tree["step_s"],
-            "what": "forward+backward of every row of the step, sdpa backend, 1 torch thread",
+            "what": "forward+backward of every row of the step, sdpa backend, 1 torch thread, fastest of repeats",
         },
         "peak_mem_mb": {
             "per_path": per_path["peak_mem_mb"],
