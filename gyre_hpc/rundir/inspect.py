@@ -1,0 +1,233 @@
+"""``gyre-hpc inspect RUN_DIR``: what a run did, from its files alone (config, metrics, checkpoints).
+
+Works on a live run (metrics.h5 is read in SWMR mode) and on one whose writer was killed.
+A directory that is not a run, or a file that cannot be read, is reported by name.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+from gyre_hpc.config import ConfigError, load_config
+from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.metrics import read_table
+
+
+class RunDirError(ValueError):
+    """Not a run directory, or one of its files is unreadable; the message names the file."""
+
+
+@dataclass
+class CellSummary:
+    cell: int
+    to_train: int
+    to_rollout: int
+    bytes_moved: int
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    name: str
+    launcher: str
+    policy: str
+    cells: int
+    ranks_per_cell: int
+    steps_planned: int
+    steps_done: int                      # distinct steps with a row in the steps table
+    repeated_steps: list[int]            # steps with more than one row (should be empty)
+    last_step: int | None
+    checkpoint_step: int | None
+    launches: int
+    relaunches: int
+    requeues: int
+    status: str                          # the last supervisor event, or "running"/"not started"
+    events: list[tuple[float, str, int, str]] = field(default_factory=list)
+    cell_flips: list[CellSummary] = field(default_factory=list)
+    # rl workload: one entry per step row (step, reward_mean, loss, tokens, replicas, wall_s),
+    # the tree store's committed contents and the per-run flip effects.
+    steps: list[dict] = field(default_factory=list)
+    trees: dict | None = None
+    runs: dict | None = None
+
+
+_SUPERVISOR_END = {"finish": "finished", "fail": "failed", "requeue": "requeued", "stop": "stopped"}
+
+
+def summarize(path: str | Path) -> RunSummary:
+    run = RunDir.at(path)
+    if not run.root.is_dir():
+        raise RunDirError(f"{run.root} does not exist or is not a directory")
+    if not run.config.is_file():
+        raise RunDirError(f"{run.root} is not a run directory: it has no config.yaml "
+                          "(a run directory holds config.yaml, metrics.h5, checkpoints/, logs/)")
+    try:
+        cfg = load_config(run.config)
+    except ConfigError as exc:
+        raise RunDirError(f"{run.config} is unreadable: {exc}") from None
+    tables = {}
+    if run.metrics.exists():
+        for table in ("events", "steps", "timeline"):
+            try:
+                tables[table] = read_table(run.metrics, table)
+            except (OSError, KeyError) as exc:
+                raise RunDirError(f"{run.metrics} is corrupt or unreadable ({table} table): {exc}") from None
+        try:
+            tables["runs"] = read_table(run.metrics, "runs")
+        except (OSError, KeyError):
+            pass    # written before the runs table existed
+    checkpoint_step = _checkpoint_step(run)
+
+    ev = tables.get("events")
+    events = [] if ev is None else [(float(t), str(e), int(s), str(d))
+                                    for t, e, s, d in zip(ev["time"], ev["event"], ev["step"], ev["detail"])]
+    names = [e for _, e, _, _ in events]
+    step_counts = Counter(int(s) for s in tables["steps"]["step"]) if "steps" in tables else Counter()
+    status = "not started"
+    for _, name, _, _ in events:
+        if name in ("launch", "relaunch", "resume"):
+            status = "running (or killed)"
+        status = _SUPERVISOR_END.get(name, status)
+
+    flips: dict[int, CellSummary] = {}
+    if "timeline" in tables:
+        t = tables["timeline"]
+        for cell, role, event, nbytes in zip(t["cell"], t["role"], t["event"], t["bytes"]):
+            if event != "flip_end":
+                continue
+            s = flips.setdefault(int(cell), CellSummary(int(cell), 0, 0, 0))
+            if role == "TRAIN":
+                s.to_train += 1
+            elif role == "ROLLOUT":
+                s.to_rollout += 1
+            s.bytes_moved += int(nbytes)
+
+    steps = []
+    if "steps" in tables:
+        t = tables["steps"]
+        steps = [{"step": int(t["step"][i]), "reward_mean": float(t["reward_mean"][i]), "loss": float(t["loss"][i]),
+                  "tokens": int(t["tokens"][i]), "replicas": int(t["replicas"][i]), "wall_s": float(t["wall_s"][i])}
+                 for i in range(len(t["step"]))]
+    runs = None
+    if "runs" in tables and len(tables["runs"]["run_id"]):
+        r = tables["runs"]
+        runs = {"runs": int(len(r["run_id"])), "migrations": int(r["migrations"].sum()),
+                "restarts": int(r["restarts"].sum()), "statuses": dict(Counter(str(x) for x in r["status"]))}
+
+    return RunSummary(
+        steps=steps, trees=_trees_summary(run), runs=runs,
+        run_dir=str(run.root), name=cfg.name, launcher=cfg.launcher, policy=cfg.scheduler.policy,
+        cells=cfg.cells.count, ranks_per_cell=cfg.cells.ranks_per_cell, steps_planned=cfg.train.steps,
+        steps_done=len(step_counts), repeated_steps=sorted(s for s, n in step_counts.items() if n > 1),
+        last_step=max(step_counts) if step_counts else None, checkpoint_step=checkpoint_step,
+        launches=names.count("launch") + names.count("relaunch"), relaunches=names.count("relaunch"),
+        requeues=names.count("requeue"), status=status, events=events,
+        cell_flips=[flips[c] for c in sorted(flips)])
+
+
+def _trees_summary(run: RunDir) -> dict | None:
+    if not run.trees.exists():
+        return None
+    from gyre_hpc.trees.store import StoreError, TreeStore
+
+    try:
+        with TreeStore.open(run.trees, "r") as store:
+            n = len(store)
+            ids = store.run_ids()
+            ds = store.dataset()
+            rewards = ds["reward"].values if n else []
+            tokens = int(ds["trained"].values.sum()) if n else 0
+    except (StoreError, OSError, KeyError) as exc:
+        raise RunDirError(f"{run.trees} is unreadable: {exc}") from None
+    return {"trees": n, "unique_run_ids": len(set(ids)), "trained_tokens": tokens,
+            "reward_mean": float(sum(rewards) / n) if n else None}
+
+
+def _checkpoint_step(run: RunDir) -> int | None:
+    latest = run.checkpoints / "latest"
+    if not latest.is_file():
+        return None
+    name = latest.read_text().strip()
+    meta = run.checkpoints / name / "meta.json"
+    try:
+        return int(json.loads(meta.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunDirError(f"{latest} names {name!r}, but {meta} is unreadable: {exc}") from None
+
+
+def render(summary: RunSummary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    overview = Table(title=f"run {summary.name}", show_header=False)
+    overview.add_column("field", style="bold")
+    overview.add_column("value")
+    repeated = f" (REPEATED: {summary.repeated_steps})" if summary.repeated_steps else ""
+    for key, value in (
+        ("run dir", summary.run_dir), ("status", summary.status),
+        ("launcher / policy", f"{summary.launcher} / {summary.policy}"),
+        ("cells", f"{summary.cells} x {summary.ranks_per_cell} rank(s)"),
+        ("steps done", f"{summary.steps_done} of {summary.steps_planned}{repeated}"),
+        ("latest checkpoint", "none" if summary.checkpoint_step is None else f"step {summary.checkpoint_step}"),
+        ("launches", f"{summary.launches} ({summary.relaunches} relaunch(es), {summary.requeues} requeue(s))"),
+    ):
+        overview.add_row(key, str(value))
+    console.print(overview)
+
+    if summary.cell_flips:
+        cells = Table(title="cell timeline")
+        for col in ("cell", "flips to TRAIN", "flips to ROLLOUT", "MB moved"):
+            cells.add_column(col, justify="right")
+        for c in summary.cell_flips:
+            cells.add_row(str(c.cell), str(c.to_train), str(c.to_rollout), f"{c.bytes_moved / 1e6:.1f}")
+        console.print(cells)
+
+    if summary.steps:
+        steps = Table(title="steps")
+        for col in ("step", "reward mean", "loss", "trained tokens", "replicas", "wall s"):
+            steps.add_column(col, justify="right")
+        for row in summary.steps:
+            steps.add_row(str(row["step"]), f"{row['reward_mean']:.3f}", f"{row['loss']:.4g}", str(row["tokens"]),
+                          str(row["replicas"]), f"{row['wall_s']:.1f}")
+        console.print(steps)
+    if summary.trees is not None:
+        t = summary.trees
+        reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f}"
+        console.print(f"trees.zarr: {t['trees']} committed trees ({t['unique_run_ids']} distinct runs), "
+                      f"{t['trained_tokens']} trained tokens, mean reward {reward}")
+    if summary.runs is not None:
+        r = summary.runs
+        console.print(f"agent runs: {r['runs']} ({r['statuses']}), KV migrations {r['migrations']}, "
+                      f"restarts {r['restarts']}")
+
+    if summary.events:
+        import time as _time
+
+        events = Table(title="events")
+        for col in ("time", "event", "step", "detail"):
+            events.add_column(col)
+        for t, name, step, detail in summary.events:
+            events.add_row(_time.strftime("%H:%M:%S", _time.localtime(t)), name, "" if step < 0 else str(step), detail)
+        console.print(events)
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
+def inspect(run_dir: Path, as_json: bool) -> None:
+    """Summarize a run directory: config, steps done, checkpoints, relaunches, cell timeline, events."""
+    try:
+        summary = summarize(run_dir)
+    except RunDirError as exc:
+        click.echo(f"inspect: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(asdict(summary), indent=2))
+    else:
+        render(summary)
