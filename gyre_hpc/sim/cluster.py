@@ -25,7 +25,8 @@ from gyre_hpc.sim.batch import Batch, sample_batch
 from gyre_hpc.sim.workload import Workload
 
 # event kinds
-_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE = range(8)
+_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE, _DEADLINE = range(9)
+_QUEUED, _AWAY = -2, -1   # where a run is when not on an engine: waiting for one, or in a tool call
 # busy-accounting categories of a cell
 ROLLOUT_BUSY, ROLLOUT_IDLE, TRAIN_BUSY, TRAIN_IDLE, SWITCH = range(5)
 _EPS = 1e-6
@@ -114,6 +115,8 @@ class FleetSim:
         self.run_tokens: list[float] = []
         self.run_start: list[float] = []
         self.run_migrations: list[int] = []
+        self.run_where: list[int] = []      # engine cell decoding it, or _QUEUED / _AWAY
+        self.run_done: list[bool] = []
         self.batches: dict[int, Batch] = {}
         self.run_base: dict[int, int] = {}
         self.batch_version: dict[int, int] = {}
@@ -203,10 +206,12 @@ class FleetSim:
             if not e.heap:
                 e.clock = 0.0  # keeps service clocks small; nothing depends on the old reading
             heapq.heappush(e.heap, (e.clock + work, run))
+            self.run_where[run] = cid
             e.ctx += self.ctx_of(run)
             self.reschedule(cid)
             self.touch(self.cells[cid])
             return
+        self.run_where[run] = _QUEUED
         if front:
             self.queue.appendleft((run, work))
         else:
@@ -244,6 +249,7 @@ class FleetSim:
 
     # ---------------------------------------------------------------- runs
     def call_done(self, run: int) -> None:
+        self.run_where[run] = _AWAY
         b = self.batches[self.run_batch[run]]
         i = run - self.run_base[b.step]
         k = self.run_idx[run]
@@ -257,13 +263,42 @@ class FleetSim:
         self.push(min(self.now + b.tool_s[i][k - 1], deadline), _TOOL, run)
 
     def on_tool(self, run: int) -> None:
+        if self.run_done[run]:
+            return
         if self.now >= self.run_deadline[run] - _EPS:
             self.finish_run(run, cut=True)
             return
         b = self.batches[self.run_batch[run]]
         self.route(run, b.work[run - self.run_base[b.step]][self.run_idx[run]])
 
+    def on_deadline(self, run: int) -> None:
+        """The run's wall-clock limit: whatever it is doing stops, and what it generated of
+        the call in progress (in proportion to the decode work done) is kept."""
+        if self.run_done[run]:
+            return
+        where = self.run_where[run]
+        b = self.batches[self.run_batch[run]]
+        i, k = run - self.run_base[b.step], self.run_idx[run]
+        if where >= 0:
+            e = self.engines[where]
+            self.advance(e)
+            pos = next(j for j, (_, r) in enumerate(e.heap) if r == run)
+            left = max(e.heap[pos][0] - e.clock, 0.0)
+            e.heap[pos] = e.heap[-1]
+            e.heap.pop()
+            heapq.heapify(e.heap)
+            e.ctx = e.ctx - b.ctx[i][k] if e.heap else 0.0
+            self.run_tokens[run] += b.tokens[i][k] * max(0.0, 1.0 - left / b.work[i][k])
+            self.reschedule(where)
+            self.touch(self.cells[where])
+        elif where == _QUEUED:
+            self.queue = deque(q for q in self.queue if q[0] != run)
+        self.run_where[run] = _AWAY
+        self.finish_run(run, cut=True)
+        self.drain_queue()
+
     def finish_run(self, run: int, cut: bool) -> None:
+        self.run_done[run] = True
         step = self.run_batch[run]
         b = self.batches[step]
         g = (step, b.group[run - self.run_base[step]])
@@ -325,11 +360,14 @@ class FleetSim:
             self.run_tokens.append(0.0)
             self.run_start.append(self.now)
             self.run_migrations.append(0)
+            self.run_where.append(_AWAY)
+            self.run_done.append(False)
         self.rolling = step
         self.next_batch = step + 1
         self.event_rows.append(EventRow(self.now, "batch_start", step, f"{b.runs} runs, weights v{self.version}"))
         for i in range(b.runs):
             self.route(base + i, b.work[i][0])
+            self.push(deadline, _DEADLINE, base + i)
         self.request_decision()
 
     # ---------------------------------------------------------------- trainer
@@ -524,6 +562,7 @@ class FleetSim:
             _SWITCH: lambda a, b: self.on_switch(a), _DRAIN: lambda a, b: self.on_drain(a),
             _OPT: lambda a, b: self.on_opt(), _DECIDE: lambda a, b: self.on_decide(a),
             _LAUNCH: lambda a, b: self.on_launch(a), _SAMPLE: lambda a, b: self.on_sample(),
+            _DEADLINE: lambda a, b: self.on_deadline(a),
         }
         events = self.events
         while events and not self.done:

@@ -72,6 +72,9 @@ def test_timed_out_runs_are_cut_and_still_counted_once():
     assert r.runs_finished == w.steps * w.run.runs_per_step
     sampled = sum(sum(sum(t) for t in sample_batch(w, s).tokens) for s in range(w.steps))
     assert 0 < r.tokens_trained < sampled
+    # the limit holds even for a run caught mid-call: no run outlives it
+    assert max(row.wall_s for row in r.runs) <= 20.0 + 1e-6
+    assert sum(row.status == "timeout" for row in r.runs) == r.runs_cut
 
 
 def test_async_never_switches_and_colocate_switches_every_elastic_cell_together():
