@@ -51,6 +51,10 @@ def step_until(engine: Engine, request_id: str, n_tokens: int) -> None:
 
 class EngineConformance:
     logprob_atol = 1e-4
+    # Capability: the engine hands out its KV cache (and sampler state) on export, so a
+    # migrated sequence needs no prefill and a seeded one continues its own random stream.
+    # An engine without it (vLLM) exports recompute states: greedy continuations still match.
+    carries_kv_cache = True
 
     def make_engine(self, model_dir, name: str) -> Engine:
         raise NotImplementedError
@@ -113,12 +117,14 @@ class EngineConformance:
     @pytest.mark.parametrize("params", [greedy(30), sampled(30, seed=11, temperature=0.8, top_p=0.9)],
                              ids=["greedy", "seeded"])
     def test_migrated_sequence_continues_exactly_without_prefill(self, engine, engine_b, params):
+        if not self.carries_kv_cache and not params.greedy:
+            pytest.skip(f"{type(self).__name__}: no exportable sampler state, a moved sampled request restarts its stream")
         reference = engine.generate(Request("ref", prompt(4), params))
         engine.submit(Request("m", prompt(4), params))
         step_until(engine, "m", 9)
         state = engine.kv_export("m")
         assert len(state.token_ids) == 9 and state.remaining_tokens == 21
-        assert state.cached_len == len(prompt(4)) + 8
+        assert state.cached_len == (len(prompt(4)) + 8 if self.carries_kv_cache else 0)
         assert "m" not in engine.request_ids()
         before = engine_b.counters()
         engine_b.kv_import(state)
@@ -127,8 +133,9 @@ class EngineConformance:
         assert out.token_ids == reference.token_ids
         assert out.logprobs == pytest.approx(reference.logprobs, abs=self.logprob_atol)
         assert out.migrations == 1
-        assert after.prefill_tokens == before.prefill_tokens, "the destination must not re-prefill"
-        assert after.decode_tokens - before.decode_tokens == 21
+        if self.carries_kv_cache:
+            assert after.prefill_tokens == before.prefill_tokens, "the destination must not re-prefill"
+            assert after.decode_tokens - before.decode_tokens == 21
         assert after.migrations_in == 1 and engine.counters().migrations_out == 1
 
     def test_request_exported_before_prefill_is_prefilled_at_destination(self, engine, engine_b):

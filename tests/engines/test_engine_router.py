@@ -19,11 +19,11 @@ def fleet(model_dir):
 
 def test_routes_to_least_outstanding_tokens_not_round_robin(fleet):
     engines, router = fleet
-    big = Request("big", prompt(0, length=40), greedy(400))
+    big = Request("big", prompt(0, length=40), greedy(120))
     assert router.submit(big) == 0                                   # all empty: lowest id
     assert router.submit(Request("s10", prompt(0), greedy(10))) == 1
     assert router.submit(Request("s20", prompt(0), greedy(40))) == 2
-    assert router.outstanding_tokens(0) == big.prompt_len + 400
+    assert router.outstanding_tokens(0) == big.prompt_len + 120
     # Round robin would now pick engine 0; the least loaded is engine 1 (twice).
     assert router.submit(Request("s5", prompt(0), greedy(5))) == 1
     assert router.submit(Request("s6", prompt(0), greedy(5))) == 1

@@ -93,7 +93,8 @@ def test_check_names_what_is_wrong():
         kv = list(state.kv)
         kv[1] = (kv[1][0], kv[1][1][:-1])
         KVState(**{**state.__dict__, "kv": tuple(kv)}).check()
-    with pytest.raises(ValueError, match="no kv cache"):
-        KVState(**{**state.__dict__, "kv": ()}).check()
+    KVState(**{**state.__dict__, "kv": ()}).check()   # a recompute state is valid
+    with pytest.raises(ValueError, match="but no token_ids"):
+        KVState(**{**state.__dict__, "token_ids": (), "logprobs": ()}).check()
     with pytest.raises(ValueError, match="more than max_new_tokens"):
         KVState(**{**state.__dict__, "token_ids": tuple(range(9)), "logprobs": (0.0,) * 9}).check()

@@ -98,3 +98,17 @@ def test_greedy_logprobs_are_untempered_model_logprobs(engines, model_dir):
     out = a.generate(Request("t", prompt(1), sampled(10, seed=3, temperature=0.5)))
     _, logprobs = full_recompute(load_pretrained(model_dir), out.prompt_ids, out.token_ids)
     assert out.logprobs == pytest.approx(logprobs, abs=1e-5)
+
+
+def test_recompute_state_continues_exactly_after_a_prefill_of_its_context(engines):
+    """A state without a cache (what vLLM exports) re-prefills prompt + tokens[:-1], then continues."""
+    a, b = engines
+    reference = a.generate(Request("ref", prompt(3), sampled(25, seed=9)))
+    a.submit(Request("r", prompt(3), sampled(25, seed=9)))
+    step_until(a, "r", 7)
+    state = a.kv_export("r")
+    b.kv_import(KVState(**{**state.__dict__, "kv": ()}))
+    out = run_all(b)["r"]
+    assert out.token_ids == reference.token_ids
+    assert out.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+    assert b.counters().prefill_tokens == len(prompt(3)) + 6

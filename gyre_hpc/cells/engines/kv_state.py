@@ -9,7 +9,9 @@ either re-prefill or sample a different continuation.
 Cache convention shared by every engine: ``kv`` holds the keys/values of the prompt and of
 every output token except the last one, which has been sampled but not yet fed back
 through the model. So ``cached_len == prompt_len + len(token_ids) - 1`` once prefilled, and
-a state that was never prefilled has no ``kv`` and no tokens. Tensors are token-major,
+a state that was never prefilled has no ``kv`` and no tokens. A state with tokens but no
+``kv`` is a *recompute* state (an engine that cannot hand out its cache, e.g. vLLM without a
+KV connector): the destination re-prefills prompt + tokens[:-1], then continues. Tensors are token-major,
 [cached_len, n_heads, head_dim] (the model's [B, H, S, Dh] with B dropped and S first):
 a prefix of a token-major buffer is contiguous, so exporting a cache is a view, not a copy,
 and a transport can stream it in chunks straight from the engine's memory.
@@ -41,6 +43,13 @@ class KVLayout:
         if not isinstance(dt, torch.dtype):
             raise ValueError(f"KVLayout.dtype={self.dtype!r} is not a torch dtype name")
         return dt
+
+    def check_compatible(self, state_layout: "KVLayout", what: str) -> None:
+        """Raise ValueError naming each field where ``state_layout`` differs from this engine's."""
+        diff = [f"{f}={getattr(state_layout, f)} (engine has {getattr(self, f)})"
+                for f in ("n_layers", "n_heads", "head_dim", "dtype") if getattr(state_layout, f) != getattr(self, f)]
+        if diff:
+            raise ValueError(f"{what}: KV layout differs: {', '.join(diff)}")
 
     @property
     def bytes_per_token(self) -> int:
@@ -91,9 +100,9 @@ class KVState:
             raise ValueError(f"KVState {rid}: token_ids has {len(self.token_ids)} tokens, more than "
                              f"max_new_tokens={self.request.params.max_new_tokens}")
         if not self.kv:
-            if self.token_ids:
-                raise ValueError(f"KVState {rid}: has {len(self.token_ids)} token_ids but no kv cache")
-            return
+            return  # never prefilled, or a state whose cache did not travel (the destination recomputes it)
+        if not self.token_ids:
+            raise ValueError(f"KVState {rid}: has a kv cache but no token_ids; the first token is sampled at prefill")
         if len(self.kv) != self.layout.n_layers:
             raise ValueError(f"KVState {rid}: kv has {len(self.kv)} layers, layout.n_layers={self.layout.n_layers}")
         want_len = self.request.prompt_len + len(self.token_ids) - 1
@@ -105,8 +114,6 @@ class KVState:
                                      f"(prompt_len + len(token_ids) - 1, heads, head_dim)")
                 if t.dtype != self.layout.torch_dtype():
                     raise ValueError(f"KVState {rid}: kv[{i}].{name} is {t.dtype}, layout.dtype={self.layout.dtype}")
-        if not self.token_ids:
-            raise ValueError(f"KVState {rid}: has a kv cache but no token_ids; the first token is sampled at prefill")
 
 
 def generator_state(gen: torch.Generator) -> bytes:

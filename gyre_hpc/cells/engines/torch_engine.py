@@ -154,8 +154,9 @@ class TorchEngine(Engine):
         with torch.no_grad():
             events = self._decode(list(self._running)) if self._running else []
             while self._queue and len(self._running) < self.max_batch:
-                seq = self._queue.popleft()
-                events.append(self._prefill(seq))
+                event = self._prefill(self._queue.popleft())
+                if event is not None:
+                    events.append(event)
         return events
 
     def pop_output(self, request_id: str) -> Output | None:
@@ -167,16 +168,20 @@ class TorchEngine(Engine):
         return out
 
     # -- the model -----------------------------------------------------------------------
-    def _prefill(self, seq: _Sequence) -> TokenEvent:
+    def _prefill(self, seq: _Sequence) -> TokenEvent | None:
+        """Fill the cache with the prompt and sample the first token. A recompute state
+        (tokens but no cache) fills prompt + tokens[:-1] and samples nothing: its last
+        token is the next decode input."""
         req = seq.request
         cap = req.prompt_len + req.params.max_new_tokens
         H, Dh = self._layout.n_heads, self._layout.head_dim
         dt = self._layout.torch_dtype()
         seq.k = [torch.empty(cap, H, Dh, dtype=dt, device=self._device) for _ in range(self._layout.n_layers)]
         seq.v = [torch.empty(cap, H, Dh, dtype=dt, device=self._device) for _ in range(self._layout.n_layers)]
-        prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self._device)
+        context = list(req.prompt_ids) + seq.tokens[:-1]
+        prompt = torch.tensor(context, dtype=torch.long, device=self._device)
         logits = None
-        for start in range(0, req.prompt_len, self.prefill_chunk):
+        for start in range(0, len(context), self.prefill_chunk):
             ids = prompt[start:start + self.prefill_chunk][None]
             pos = torch.arange(start, start + ids.shape[1], device=self._device)[None]
             past = None
@@ -186,10 +191,10 @@ class TorchEngine(Engine):
             for i, (k, v) in enumerate(new_past):
                 seq.k[i][start:start + ids.shape[1]] = k[0, :, start:].transpose(0, 1)
                 seq.v[i][start:start + ids.shape[1]] = v[0, :, start:].transpose(0, 1)
-        seq.length = req.prompt_len
-        self._c["prefill_tokens"] += req.prompt_len
+        seq.length = len(context)
+        self._c["prefill_tokens"] += len(context)
         self._running.append(seq)
-        return self._emit(seq, logits[0, -1])
+        return self._emit(seq, logits[0, -1]) if not seq.tokens else None
 
     def _decode(self, batch: list[_Sequence]) -> list[TokenEvent]:
         B = len(batch)
@@ -263,12 +268,8 @@ class TorchEngine(Engine):
         if not self._accepting:
             raise EngineError(f"engine {self.name} is draining and admits no sequences: open() first")
         self._check_usable("kv_import")
-        if state.layout != self._layout:
-            mismatch = [f"{f}={getattr(state.layout, f)} (engine has {getattr(self._layout, f)})"
-                        for f in ("n_layers", "n_heads", "head_dim", "dtype")
-                        if getattr(state.layout, f) != getattr(self._layout, f)]
-            raise ValueError(f"KVState {state.request_id} from {state.source or '?'}: layout differs from "
-                             f"engine {self.name}: {', '.join(mismatch)}")
+        self._layout.check_compatible(state.layout, f"KVState {state.request_id} from {state.source or '?'} "
+                                                    f"into engine {self.name}")
         state.check()
         self._check_new(state.request)
         gen = None
@@ -279,7 +280,7 @@ class TorchEngine(Engine):
                         migrations=state.migrations, tokens=list(state.token_ids), logprobs=list(state.logprobs))
         self._c["migrations_in"] += 1
         if not state.prefilled:
-            self._queue.append(seq)
+            self._queue.append(seq)  # prefilled at the next step (recompute states included)
             return
         cap = state.request.prompt_len + state.request.params.max_new_tokens
         for k, v in state.kv:

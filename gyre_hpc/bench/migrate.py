@@ -1,0 +1,214 @@
+"""``gyre-hpc bench migrate``: moving a mid-decode sequence with its KV cache versus
+re-prefilling it on the destination, for 1K, 8K and 32K-token contexts on the tiny model.
+
+What is timed:
+- migrate (in-process): ``kv_export`` on the source + ``kv_import`` on a second engine in the
+  same process (import copies the cache into the destination's own buffers);
+- migrate (MPI): the same, with the state crossing between two ranks of ``mpiexec -n 2``
+  through ``kv_transfer`` (header + chunked buffer Send/Recv). Timed as half a ping-pong
+  (source -> destination -> source, each leg a full export + transfer + import), so no two
+  clocks are compared;
+- baseline, re-prefill: a fresh destination engine prefilling the same number of tokens
+  (prompt + tokens generated so far) and sampling the next token: what a destination without
+  migration must do before it can continue. Under MPI it runs on the destination rank while
+  the source rank prefills the sequence to be migrated, so the two prefills overlap.
+
+Each migration figure is the median of ``--repeats`` one-way moves. The ratio is
+re-prefill time / migration time (how many times faster the move is).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import click
+
+DEFAULT_CONTEXTS = (1024, 8192, 32768)
+
+
+def _engine(model, name: str):
+    from gyre_hpc.cells.engines.torch_engine import TorchEngine
+
+    return TorchEngine(model, name=name, prefill_chunk=1024)
+
+
+def _prompt(n: int) -> tuple[int, ...]:
+    import torch
+
+    from gyre_hpc.models.tiny_lm import BOS_ID
+
+    g = torch.Generator().manual_seed(n)
+    return (BOS_ID,) + tuple(torch.randint(0, 256, (n - 1,), generator=g).tolist())
+
+
+def _request(rid: str, prompt: tuple[int, ...]):
+    from gyre_hpc.cells.engines import Request, SamplingParams
+
+    return Request(rid, prompt, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=()))
+
+
+def _reprefill_s(model, context: int) -> float:
+    """Baseline: a destination that has no cache prefills prompt + generated tokens (context + 1)."""
+    dst = _engine(model, "reprefill")
+    dst.submit(_request("baseline", _prompt(context) + (0,)))
+    t0 = time.perf_counter()
+    dst.step()
+    return time.perf_counter() - t0
+
+
+def _source_state(model, context: int):
+    """A source engine holding one sequence mid-decode: prefilled, two tokens sampled."""
+    src = _engine(model, "source")
+    src.submit(_request("moving", _prompt(context)))
+    t0 = time.perf_counter()
+    src.step()
+    prefill_s = time.perf_counter() - t0
+    src.step()
+    return src, prefill_s
+
+
+def _inprocess_migrate_s(src, repeats: int) -> float:
+    dst = _engine(src.model, "destination")
+    times = []
+    a, b = src, dst
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.kv_import(a.kv_export("moving"))
+        times.append(time.perf_counter() - t0)
+        a, b = b, a
+    if "moving" not in src.request_ids():
+        src.kv_import(dst.kv_export("moving"))
+    return statistics.median(times)
+
+
+def measure(contexts: list[int], repeats: int, chunk_bytes: int, comm=None) -> dict | None:
+    """The benchmark body; with ``comm`` (2 ranks) also the MPI path. Rank 0 returns the figures."""
+    import torch
+
+    from gyre_hpc.cells.engines.kv_transfer import recv_kv_state, send_kv_state
+    from gyre_hpc.models.tiny_lm import build_model
+
+    torch.set_num_threads(1)
+    rank = comm.Get_rank() if comm is not None else 0
+    model = build_model("tiny", seed=0)
+    layout = _engine(model, "probe").kv_layout
+    results: dict[str, dict] = {}
+    for context in contexts:
+        row: dict[str, float] = {}
+        if comm is not None:
+            comm.Barrier()
+        if rank == 0:
+            src, row["source_prefill_s"] = _source_state(model, context)
+            state_tokens = src.load().kv_tokens
+            row["kv_tokens"] = state_tokens
+            row["kv_mb"] = state_tokens * layout.bytes_per_token / 2**20
+            row["migrate_inprocess_s"] = _inprocess_migrate_s(src, repeats)
+        else:
+            reprefill = _reprefill_s(model, context)
+            dst = _engine(model, "destination")
+        if comm is None:
+            row["reprefill_s"] = _reprefill_s(model, context)
+        else:
+            comm.Barrier()
+            legs = []
+            for _ in range(repeats):
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    send_kv_state(comm, src.kv_export("moving"), 1, chunk_bytes)
+                    state, _ = recv_kv_state(comm, 1)
+                    src.kv_import(state)
+                    legs.append((time.perf_counter() - t0) / 2)
+                else:
+                    state, _ = recv_kv_state(comm, 0)
+                    dst.kv_import(state)
+                    send_kv_state(comm, dst.kv_export("moving"), 0, chunk_bytes)
+            if rank == 0:
+                row["migrate_mpi_s"] = statistics.median(legs)
+                row["reprefill_s"] = comm.recv(source=1, tag=7199)
+            else:
+                comm.send(reprefill, dest=0, tag=7199)
+        if rank == 0:
+            row["speedup_inprocess"] = row["reprefill_s"] / row["migrate_inprocess_s"]
+            if "migrate_mpi_s" in row:
+                row["speedup_mpi"] = row["reprefill_s"] / row["migrate_mpi_s"]
+                row["mpi_gb_per_s"] = row["kv_mb"] * 2**20 / row["migrate_mpi_s"] / 1e9
+            results[str(context)] = row
+            src.drain()
+    if rank != 0:
+        return None
+    return {
+        "benchmark": "migrate",
+        "model": {"preset": "tiny", "params": model.n_params, "kv_bytes_per_token": layout.bytes_per_token},
+        "baseline": "re-prefill of the same context on the destination engine (no migration)",
+        "ratio": "speedup_* = reprefill_s / migrate_*_s",
+        "transport": "mpi+in-process" if comm is not None else "in-process",
+        "repeats": repeats,
+        "chunk_bytes": chunk_bytes,
+        "contexts": results,
+    }
+
+
+def _mpi_env() -> dict:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    return env
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), show_default=True,
+              help="comma-separated context lengths in tokens")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option("--chunk-bytes", default=4 << 20, show_default=True, type=click.IntRange(1, None),
+              help="MPI message size for the KV cache")
+@click.option("--mpi/--no-mpi", default=True, show_default=True,
+              help="also time the MPI path (mpiexec -n 2); without it, in-process only")
+@click.option("--worker", type=click.Path(dir_okay=False), hidden=True)
+def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: bool, worker: str | None) -> None:
+    """KV migration of a mid-decode sequence vs re-prefill, at 1K/8K/32K tokens."""
+    from gyre_hpc.bench import emit
+
+    try:
+        ctx = [int(c) for c in contexts.split(",") if c.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{contexts!r}: expected comma-separated integers, e.g. 1024,8192", param_hint="--contexts")
+    if not ctx or min(ctx) < 2:
+        raise click.BadParameter(f"{contexts!r}: each context must be >= 2 tokens", param_hint="--contexts")
+    if worker is not None:  # inside mpiexec
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD.Dup()
+        result = measure(ctx, repeats, chunk_bytes, comm)
+        if result is not None:
+            with open(worker, "w") as f:
+                json.dump(result, f)
+        return
+    result = None
+    why_not = None
+    if mpi and shutil.which("mpiexec") is None:
+        why_not = "mpiexec not on PATH"
+    elif mpi:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "migrate.json")
+            cmd = ["mpiexec", "-n", "2", "--oversubscribe", sys.executable, "-m", "gyre_hpc.bench.migrate",
+                   "--worker", out, "--contexts", contexts, "--repeats", str(repeats), "--chunk-bytes", str(chunk_bytes)]
+            proc = subprocess.run(cmd, env=_mpi_env(), capture_output=True, text=True)
+            if proc.returncode == 0 and os.path.exists(out):
+                with open(out) as f:
+                    result = json.load(f)
+            else:
+                why_not = f"mpiexec failed (rc={proc.returncode}): {proc.stderr.strip()[-500:]}"
+    if result is None:
+        result = measure(ctx, repeats, chunk_bytes)
+        if why_not:
+            result["mpi_skipped"] = why_not
+    emit(result, as_json)
+
+
+if __name__ == "__main__":
+    command()
