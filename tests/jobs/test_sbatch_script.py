@@ -1,0 +1,41 @@
+"""The head's sbatch script: the committed file is the generator's output (golden), shapes follow the config."""
+from __future__ import annotations
+
+import subprocess
+
+from gyre_hpc.config import build_config, load_config
+from gyre_hpc.jobs.sbatch_script import render_head_script
+from tests.jobs.slurm_jobs import REPO
+
+
+def test_committed_script_is_the_generated_default_shape():
+    expected = render_head_script(load_config(REPO / "examples/smoke.yaml"), job_name="gyre-head")
+    committed = (REPO / "sbatch" / "gyre_head.sh").read_text()
+    assert committed == expected, (
+        "sbatch/gyre_head.sh differs from the generator; regenerate it with render_head_script("
+        "load_config('examples/smoke.yaml'), job_name='gyre-head')")
+
+
+def test_script_has_one_het_component_per_cell_after_the_head():
+    cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 2, "cpus_per_rank": 3, "mem_per_cell_mb": 500},
+                        "slurm": {"partition": "gpu", "account": "proj1", "time_min": 30, "signal_s": 90,
+                                  "extra_args": ["--qos=high"]}})
+    text = render_head_script(cfg)
+    sbatch_lines = [l for l in text.splitlines() if l.startswith("#SBATCH")]
+    components = "\n".join(sbatch_lines).split("#SBATCH hetjob")
+    assert len(components) == 3
+    assert "#SBATCH --ntasks=1" in components[0] and "#SBATCH --cpus-per-task=1" in components[0]
+    for comp in components[1:]:
+        assert "#SBATCH --ntasks=2" in comp and "#SBATCH --cpus-per-task=3" in comp and "#SBATCH --mem=500M" in comp
+    head = components[0]
+    for line in ("--partition=gpu", "--account=proj1", "--time=30", "--signal=B:USR2@90", "--requeue", "--qos=high"):
+        assert f"#SBATCH {line}" in head
+    assert text.rstrip().endswith('exec "$PY" -m gyre_hpc.jobs.head "$@"')
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_script_without_a_config_argument_prints_usage(tmp_path):
+    script = tmp_path / "head.sh"
+    script.write_text(render_head_script(build_config({})))
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert out.returncode == 2 and "usage: sbatch" in out.stderr
