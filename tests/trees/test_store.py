@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import selectors
+import select
 import signal
 import subprocess
 import sys
@@ -347,29 +347,54 @@ print("closed", flush=True)
 """
 
 
-def _lines_until(proc: subprocess.Popen, want: str, timeout: float = 60.0) -> list[str]:
-    """Read ``proc``'s stdout lines until one starts with ``want``."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.strip())
-        if line.startswith(want):
-            return lines
-    proc.kill()
-    raise AssertionError(f"no {want!r} line within {timeout}s; got {lines}; stderr: {proc.stderr.read()}")
+class ProcLines:
+    """A child's stdout line by line, read straight from the pipe's fd: ``select`` on a
+    buffered file object misses lines already sitting in its buffer."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.fd, self.buf, self.eof = proc, proc.stdout.fileno(), b"", False
+
+    def _fill(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if ready:
+            data = os.read(self.fd, 1 << 16)
+            self.eof = not data
+            self.buf += data
+
+    def _take_lines(self) -> list[str]:
+        *lines, self.buf = self.buf.split(b"\n")
+        return [x.decode().strip() for x in lines]
+
+    def until(self, want: str, timeout: float = 60.0) -> list[str]:
+        """Lines up to and including the first that starts with ``want``; the rest stay."""
+        deadline = time.monotonic() + timeout
+        got: list[str] = []
+        while True:
+            lines = self._take_lines()
+            for k, line in enumerate(lines):
+                if line.startswith(want):
+                    rest = "\n".join(lines[k + 1:])
+                    self.buf = (rest + "\n" if rest else "").encode() + self.buf
+                    return got + lines[:k + 1]
+            got += lines
+            if self.eof or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"no {want!r} line within {timeout}s; got {got}; "
+                                     f"stderr: {self.proc.stderr.read().decode()}")
+            self._fill(max(0.0, deadline - time.monotonic()))
+
+    def rest(self) -> list[str]:
+        """Every remaining line, once the child has exited."""
+        while not self.eof:
+            self._fill(10.0)
+        return self._take_lines() + ([self.buf.decode().strip()] if self.buf else [])
 
 
-def _spawn(script: str, *args) -> subprocess.Popen:
+def _spawn(script: str, *args) -> tuple[subprocess.Popen, ProcLines]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    return proc, ProcLines(proc)
 
 
 def test_sigkilled_writer_leaves_exactly_the_committed_trees_and_a_new_writer_continues(tmp_path):
@@ -381,17 +406,17 @@ def test_sigkilled_writer_leaves_exactly_the_committed_trees_and_a_new_writer_co
     for rep in range(6):
         deterministic = rep % 2 == 0
         stall_at = last + batch * rng.randint(1, 3) if deterministic else 0
-        proc = _spawn(WRITER, path, target, batch, stall_at)
-        opened = _lines_until(proc, "opened")
+        proc, out = _spawn(WRITER, path, target, batch, stall_at)
+        opened = out.until("opened")
         assert opened[-1] == f"opened {last}"      # resumes exactly at the last commit
+        lines = []
         if deterministic:
-            lines = _lines_until(proc, "stalled")
+            lines = out.until("stalled")
         else:
-            lines = _lines_until(proc, "committed")
-            time.sleep(rng.uniform(0.0, 0.15))    # somewhere inside a later append
+            time.sleep(rng.uniform(0.0, 0.4))     # anywhere in an append, its commit or its print
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        printed = [int(x.split()[1]) for x in lines if x.startswith("committed")]
+        printed = [int(x.split()[1]) for x in lines + out.rest() if x.startswith("committed")]
         seen = printed[-1] if printed else last
 
         shapes = {s.name: zarr.open_array(path / s.name, mode="r").shape[0] for s in ARRAYS}
@@ -410,10 +435,10 @@ def test_sigkilled_writer_leaves_exactly_the_committed_trees_and_a_new_writer_co
         last = n
     assert caught_uncommitted == 3
 
-    proc = _spawn(WRITER, path, last + 7, batch, 0)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert out.split("\n")[0] == f"opened {last}"
+    proc, _ = _spawn(WRITER, path, last + 7, batch, 0)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr.decode()
+    assert stdout.decode().split("\n")[0] == f"opened {last}"
     store = TreeStore.open(path)
     assert store.run_ids() == [f"run-{s:06d}" for s in range(last + 7)]
     assert store.verify().rows["tree"] == last + 7
@@ -434,16 +459,16 @@ print("end", flush=True)
 def test_stream_in_another_process_yields_each_commit_as_it_lands(tmp_path):
     path = tmp_path / "trees.zarr"
     writer = TreeStore.open(path, "a", layout=SMALL)
-    proc = _spawn(READER, path)
+    proc, out = _spawn(READER, path)
     try:
         for b in range(4):
             trees = [random_tree(s, n_nodes=20) for s in range(3 * b, 3 * b + 3)]
             writer.append(trees)
-            lines = _lines_until(proc, trees[-1].run_id, timeout=30)   # seen before the next commit
+            lines = out.until(trees[-1].run_id, timeout=30)   # seen before the next commit
             assert lines == [f"{t.run_id} {crc32c.crc32c(t.tokens.tobytes() + t.logprobs.tobytes())}"
                              for t in trees]
         writer.close()
-        assert _lines_until(proc, "end", timeout=30) == ["end"]
+        assert out.until("end", timeout=30) == ["end"]
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
