@@ -62,6 +62,15 @@ class HarnessConfig:
     command_limits: Limits = field(default_factory=Limits)
     check_limits: Limits = field(default_factory=lambda: Limits(wall_s=20.0, output_bytes=1 << 16))
 
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "context_limit", "run_timeout_s", "subagent_turns", "subtask_bytes",
+                     "tool_output_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"HarnessConfig.{name}={getattr(self, name)} must be > 0")
+        for name in ("max_retries", "max_delegations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"HarnessConfig.{name}={getattr(self, name)} must be >= 0")
+
     @classmethod
     def from_rollout(cls, rollout, **overrides) -> "HarnessConfig":
         """From the run config's ``rollout`` section (config.RolloutConfig)."""

@@ -54,7 +54,7 @@ def test_tiny_model_learns_the_easy_task_in_a_few_policy_gradient_steps(tmp_path
     means = []
     for step in range(10):
         async def rollouts():
-            runs = [AgentRun(task, tmp_path / f"ws{g}", driver.client(step * 100 + g), tmp_path / f"s{step}-{g}.jsonl",
+            runs = [AgentRun(task, tmp_path / f"ws{step}-{g}", driver.client(step * 100 + g), tmp_path / f"s{step}-{g}.jsonl",
                              cfg, run_id=f"{step}-{g}") for g in range(group)]
             return await asyncio.gather(*(r.run() for r in runs))
 

@@ -190,3 +190,10 @@ def test_harness_config_follows_the_rollout_section():
     cfg = build_config({}, ["rollout.max_new_tokens=32", "rollout.context_limit=300", "rollout.run_timeout_s=9"])
     h = HarnessConfig.from_rollout(cfg.rollout, max_retries=2)
     assert (h.max_new_tokens, h.context_limit, h.run_timeout_s, h.max_retries) == (32, 300, 9.0, 2)
+
+
+def test_harness_config_names_a_bad_field():
+    with pytest.raises(ValueError, match="HarnessConfig.max_new_tokens=0"):
+        HarnessConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="HarnessConfig.max_retries=-1"):
+        HarnessConfig(max_retries=-1)
