@@ -2,8 +2,9 @@
 
 The knobs are the ones that decide the trade: how heavy the tail of run lengths is (what
 elastic reclaims), how much a switch costs (what it pays), how many cells share the work
-(how thin the tail is spread), and how expensive training is next to rollout (how much
-work the reclaimed cells find).
+(how thin the tail is spread), how expensive training is next to rollout (how much
+work the reclaimed cells find), and the async baseline's split (the one knob a fixed split
+has; by default it is balanced on the workload's mean work, its best case).
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def sweep_points(base: Workload) -> list[tuple[str, object, Workload]]:
                                                          "fleet.train_to_rollout_s": f.train_to_rollout_s * k})))
     for cells in (8, 16, 64, 256):
         points.append(("cells", cells, scaled(base, **{"fleet.cells": cells})))
+    for share in (0.125, 0.25, 0.5, 0.75):
+        points.append(("async_train_share", share,
+                       scaled(base, **{"fleet.async_train_cells": max(1, min(f.cells - 1, round(f.cells * share)))})))
     for k in (0.1, 1.0, 10.0):
         points.append(("train_cost_x", k, scaled(base, **{"train.tokens_per_s": t.tokens_per_s / k})))
     return points

@@ -39,7 +39,7 @@ def test_sim_sweep_json_has_every_knob_and_says_where_elastic_is_slower():
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output)
     knobs = {row["knob"] for row in rep["rows"]}
-    assert knobs == {"tail_sigma", "switch_cost_x", "cells", "train_cost_x"}
+    assert knobs == {"tail_sigma", "switch_cost_x", "cells", "train_cost_x", "async_train_share"}
     for row in rep["rows"]:
         assert abs(row["elastic_over_colocate"] - row["colocate_s"] / row["elastic_s"]) < 1e-3
     slower = rep["elastic_slower_than"]
