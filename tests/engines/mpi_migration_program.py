@@ -3,7 +3,9 @@
 Rank 0 submits the requests (least outstanding tokens spreads them over both engines),
 waits until every request has produced a few tokens, drains engine 1 (its sequences move
 to rank 2 with their KV caches, point to point), runs everything to the end and writes
-what the test checks to a JSON file. Usage: mpi_migration_program.py MODEL_DIR OUT_JSON.
+what the test checks to a JSON file. Then engine 1 goes through the train -> rollout flip
+(sleep, wake, new weights, open) and serves one more request.
+Usage: mpi_migration_program.py MODEL_DIR OUT_JSON OTHER_MODEL_DIR.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from gyre_hpc.cells.engines import Request, SamplingParams
 from gyre_hpc.cells.engines.mpi_engines import MPIEngines, serve_engine
 from gyre_hpc.cells.engines.torch_engine import TorchEngine
 from gyre_hpc.cells.router import Router
+from gyre_hpc.models.checkpoint import load_pretrained
 
 MAX_NEW = 96
 
@@ -34,7 +37,7 @@ def requests(prompts: list[list[int]]) -> list[Request]:
     return out
 
 
-def controller(comm, prompts, out_path) -> None:
+def controller(comm, prompts, out_path, other_dir) -> None:
     transport = MPIEngines(comm, {1: 1, 2: 2})
     router = Router(transport, [1, 2])
     reqs = requests(prompts)
@@ -48,15 +51,24 @@ def controller(comm, prompts, out_path) -> None:
     result = router.drain(1)
     outputs = router.run_until_done()
     after = transport.stats(2)["counters"]
+    # The drained cell trains and comes back: sleep, wake, new weights, open, routed to again.
+    transport.call(1, "sleep", 2)
+    transport.call(1, "wake")
+    version = transport.call(1, "load_weights", (load_pretrained(other_dir).state_dict(), 2))
+    router.add_engine(1)
+    back = Request("back", tuple(prompts[0]), SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=()))
+    back_engine = router.submit(back)
+    outputs += router.run_until_done()
     final = transport.stop()
     json.dump({
-        "routed": routed,
+        "routed": routed, "back_engine": back_engine, "loaded_version": version,
         "moved": dict(result.moved), "gone": list(result.gone), "tokens_at_move": dict(result.tokens_at_move),
         "bytes": result.bytes,
         "dest_before": dataclasses.asdict(before), "dest_after": dataclasses.asdict(after),
         "final": {str(e): dataclasses.asdict(c) for e, c in final.items()},
         "outputs": {o.request_id: {"token_ids": list(o.token_ids), "logprobs": list(o.logprobs),
-                                   "migrations": o.migrations} for o in outputs},
+                                   "migrations": o.migrations, "policy_version": o.policy_version}
+                    for o in outputs},
     }, open(out_path, "w"))
 
 
@@ -66,7 +78,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD.Dup()
     prompts = json.load(open(f"{model_dir}/prompts.json"))
     if comm.Get_rank() == 0:
-        controller(comm, prompts, out_path)
+        controller(comm, prompts, out_path, sys.argv[3])
     else:
         serve_engine(TorchEngine.from_pretrained(model_dir, name=f"rank{comm.Get_rank()}"), comm, controller=0,
                      chunk_bytes=4096)  # small chunks: a state crosses as many messages

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre_hpc.cells.engines import Request, SamplingParams
 from gyre_hpc.cells.engines.torch_engine import TorchEngine
 
 from engine_helpers import prompt
@@ -26,13 +27,13 @@ def mpi_env() -> dict:
 
 
 @pytest.mark.mpi
-def test_migration_across_ranks_continues_exactly_without_prefill(model_dir, tmp_path):
+def test_migration_across_ranks_continues_exactly_without_prefill(model_dir, other_model_dir, tmp_path):
     prompts = [list(prompt(i)) for i in range(4)]
     (Path(model_dir) / "prompts.json").write_text(json.dumps(prompts))
     out_path = tmp_path / "result.json"
     proc = subprocess.run(
         ["mpiexec", "-n", "3", "--oversubscribe", sys.executable, str(HERE / "mpi_migration_program.py"),
-         str(model_dir), str(out_path)],
+         str(model_dir), str(out_path), str(other_model_dir)],
         env=mpi_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out_path.read_text())
@@ -45,6 +46,14 @@ def test_migration_across_ranks_continues_exactly_without_prefill(model_dir, tmp
     assert sorted(result["moved"]) == on_one and set(result["moved"].values()) == {2} and result["gone"] == []
     assert all(0 < n < MAX_NEW for n in result["tokens_at_move"].values()), result["tokens_at_move"]
     assert result["bytes"] > 0
+    # After the flip back, engine 1 is empty, so least outstanding tokens routes to it, and
+    # it decodes with the weights it was sent.
+    assert result["back_engine"] == 1 and result["loaded_version"] == 2
+    back = result["outputs"]["back"]
+    assert back["policy_version"] == 2
+    other = TorchEngine.from_pretrained(other_model_dir).generate(
+        Request("back", tuple(prompts[0]), SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=())))
+    assert back["token_ids"] == list(other.token_ids)
     for rid, want in expected.items():
         got = result["outputs"][rid]
         assert got["token_ids"] == list(want.token_ids), rid
