@@ -219,8 +219,6 @@ class TreeStore:
             files.append(adir / "zarr.json")
             dirs.update((adir, adir / "c"))
         with ThreadPoolExecutor(max_workers=16) as pool:
-            # Zarr writes no file for a chunk that is all fill values (it reads back as such),
-            # and no c/ directory while every chunk is.
             list(pool.map(_fsync_path, files))
             list(pool.map(_fsync_path, dirs))
 
@@ -245,6 +243,8 @@ class TreeStore:
     # ---- reading ---------------------------------------------------------------------
 
     def read(self, i: int) -> Tree:
+        """Committed tree ``i`` (negative counts from the end); every chunk it touches is
+        checked against the commit marker, so damage raises ``ChunkCorruptError``."""
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"tree {i} out of range: {self.root} has {n} committed trees")
@@ -271,6 +271,8 @@ class TreeStore:
         """Yield committed trees from ``start`` on as they land, across processes (the
         trainer's view of the controller's writes). Ends once the writer has closed the
         store and every tree is yielded, or after ``timeout_s`` without a new tree."""
+        if poll_s <= 0:
+            raise ValueError(f"stream poll_s={poll_s}: must be > 0")
         i = start
         last_new = time.monotonic()
         while True:
@@ -493,11 +495,7 @@ def _lock_writer(root: Path) -> int:
 
 
 def _fsync_path(path: Path) -> None:
-    """fsync a file or directory; one that does not exist has nothing to make durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
