@@ -196,6 +196,8 @@ class TinyLM(nn.Module):
             raise ValueError(
                 f"TinyLM.forward: input_ids {tuple(input_ids.shape)} and position_ids "
                 f"{tuple(position_ids.shape)} must have the same [B, T] shape")
+        if attention_fn is not None and attn_mask is not None:
+            raise ValueError("TinyLM.forward: pass attn_mask or attention_fn, not both (attention_fn replaces the mask)")
         if past_kv is not None and len(past_kv) != len(self.model.layers):
             raise ValueError(f"TinyLM.forward: past_kv has {len(past_kv)} layers, the model {len(self.model.layers)}")
         x = self.model.embed_tokens(input_ids)

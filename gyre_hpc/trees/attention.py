@@ -132,9 +132,13 @@ class SdpaTreeAttention:
 
 @functools.cache
 def _compiled_flex():
-    """flex_attention is only fast compiled; compile once per process, on first GPU use."""
+    """flex_attention is only fast compiled; compile once per process, on first GPU use.
+
+    Rows differ in length; torch.compile's default marks the length dynamic after the first
+    recompile. Collating with ``pad_to=train.row_tokens`` avoids even that one.
+    """
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 class FlexTreeAttention:

@@ -86,6 +86,17 @@ def test_attention_fn_replaces_the_kernel():
     # A non-causal kernel changes the result, so the hook is really used.
     full = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
     assert not torch.allclose(model(ids, _pos(1, 10), attention_fn=full), model(ids, _pos(1, 10)))
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, _pos(1, 10), attn_mask=torch.ones(10, 10, dtype=torch.bool), attention_fn=causal)
+
+
+def test_mismatched_shapes_and_cache_depth_are_named():
+    model = build_model("tiny")
+    with pytest.raises(ValueError, match="position_ids"):
+        model(_ids(1, 5), _pos(1, 4))
+    _, past = model(_ids(1, 5), _pos(1, 5), use_cache=True)
+    with pytest.raises(ValueError, match="past_kv has 1 layers"):
+        model(_ids(1, 1), _pos(1, 1, 5), past_kv=past[:1])
 
 
 def test_position_ids_shift_is_relative():

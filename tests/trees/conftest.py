@@ -40,8 +40,11 @@ def random_journal(seed: int, n_calls: int = 30) -> list[ModelCall]:
 
 @pytest.fixture(autouse=True)
 def _one_thread():
+    """Tree tests are small; one thread keeps them from fighting the rest of the suite for 2 cores."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

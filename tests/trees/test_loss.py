@@ -55,7 +55,6 @@ def _assert_close(loss, grads, ref_loss, ref_grads, rel=1e-10):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_num_threads(1)
     return build_model("tiny", seed=11).double()
 
 
