@@ -217,7 +217,7 @@ PRESETS: dict[str, Workload] = {
             context_tokens=Dist(median=7000, sigma=0.8),
             tool_s=Dist(median=12.0, sigma=1.0),
             timeout_s=7200.0, coarsen=8),
-        engine=EngineModel(single_seq_tokens_per_s=60.0, half_saturation_seqs=100.0, max_seqs=256,
+        engine=EngineModel(single_seq_tokens_per_s=60.0, half_saturation_seqs=100.0, max_seqs=32,
                            prefill_tokens_per_s=20000.0, tolerated_slowdown=0.1),
         train=TrainModel(tokens_per_s=5000.0, dp_sync_overhead=0.1, optimizer_step_s=30.0, weight_sync_s=20.0),
         fleet=Fleet(cells=64, rollout_to_train_s=8.5, train_to_rollout_s=3.5, async_max_staleness=1),
