@@ -16,7 +16,15 @@ TASKS = ["a", "a", "a", "b", "b", "b"]
 
 
 def _journals(make_journal, n=6, n_calls=24):
-    return [make_journal(100 + i, n_calls=n_calls) for i in range(n)]
+    journals = [make_journal(100 + i, n_calls=n_calls) for i in range(n)]
+    calls = [c for j in journals for c in j]
+    # The shapes the reference must agree on are really present: compressions, sub-agents,
+    # retries from the same context, empty outputs, a second root.
+    assert {c.role for c in calls} == {"main", "subagent", "summary"}
+    assert any(len({c.prompt.tobytes() for c in j}) < len(j) for j in journals)
+    assert any(c.output.size == 0 for c in calls)
+    assert all(any(c.prompt[0] != j[0].prompt[0] for c in j) for j in journals)
+    return journals
 
 
 def _trees(journals):
