@@ -28,7 +28,7 @@ def compare(w: Workload, policies: tuple[str, ...] = POLICIES, out: str | Path |
     report = {
         "workload": w.name, "cells": w.fleet.cells, "steps": w.steps, "runs_per_step": w.run.runs_per_step,
         "async_train_cells": w.async_split(), "elastic_target_requests_per_engine": w.engine.target_seqs(),
-        "policies": {k: r.summary() for k, r in results.items()},
+        "policies": {k: {**r.summary(), "step_s": [round(x, 1) for x in r.step_s]} for k, r in results.items()},
     }
     speedups = {}
     if "elastic" in results:
