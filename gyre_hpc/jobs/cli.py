@@ -29,7 +29,12 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
     from gyre_hpc.rundir.layout import RunDir
 
     cfg = _load(config, overrides)
-    result = run_head(cfg)
+    if cfg.workload == "rl":
+        from gyre_hpc.rl.progress import progress_display
+        with progress_display(cfg):
+            result = run_head(cfg)
+    else:
+        result = run_head(cfg)
     run_dir = RunDir.at(cfg.run_dir)
     click.echo(f"outputs in {run_dir.root}:")
     for label, path in (("metrics", run_dir.metrics), ("checkpoints", run_dir.checkpoints),
@@ -37,6 +42,10 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
         if path.exists():
             click.echo(f"  {label:<12} {path}")
     click.echo(f"summary: gyre-hpc inspect {run_dir.root}")
+    if cfg.workload == "rl":
+        from gyre_hpc.rl.progress import notebooks
+        for nb in notebooks():
+            click.echo(f"notebook: jupyter lab {nb}  (set RUN_DIR={run_dir.root})")
     sys.exit(result.exit_code)
 
 

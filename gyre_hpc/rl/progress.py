@@ -1,0 +1,117 @@
+"""The live progress display of ``gyre-hpc run`` for the rl workload.
+
+The head process is not an MPI rank and must not disturb the fleet, so it reads what the
+controller writes anyway: ``metrics.h5`` in SWMR mode (steps: reward and loss; timeline: the
+cells' roles after each flip; runs: migrations and restarts). A reader thread polls the file
+and a rich ``Live`` table shows it; a file that is briefly unreadable (not created yet, or
+between the supervisor's and the controller's writers) just leaves the last view up.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gyre_hpc.config import RunConfig
+from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.metrics import read_table
+
+
+@dataclass
+class Progress:
+    steps_planned: int
+    roles: dict[int, str]
+    step: int = 0
+    reward: list[float] = field(default_factory=list)
+    loss: float = float("nan")
+    flips: int = 0
+    runs: int = 0
+    migrations: int = 0
+    restarts: int = 0
+
+
+def read_progress(path: Path, cfg: RunConfig) -> Progress:
+    """What the run has recorded so far (raises OSError/KeyError while the file is unreadable)."""
+    roles = {c: ("TRAIN" if c == cfg.cells.core or c in (cfg.cells.initial_train or []) else "ROLLOUT")
+             for c in range(cfg.cells.count)}
+    p = Progress(cfg.train.steps, roles)
+    steps = read_table(path, "steps")
+    if len(steps["step"]):
+        p.step = int(steps["step"][-1])
+        p.reward = [float(x) for x in steps["reward_mean"]]
+        p.loss = float(steps["loss"][-1])
+    tl = read_table(path, "timeline")
+    for cell, role, event in zip(tl["cell"], tl["role"], tl["event"]):
+        if event == "flip_end":
+            p.roles[int(cell)] = str(role)
+            p.flips += 1
+    runs = read_table(path, "runs")
+    p.runs = len(runs["run_id"])
+    p.migrations = int(runs["migrations"].sum())
+    p.restarts = int(runs["restarts"].sum())
+    return p
+
+
+def render(p: Progress, elapsed: float):
+    from rich.table import Table
+
+    table = Table(title=f"gyre rl: step {p.step}/{p.steps_planned}  ({elapsed:.0f} s)", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    first = f"{p.reward[0]:.3f}" if p.reward else "-"
+    last = f"{p.reward[-1]:.3f}" if p.reward else "-"
+    table.add_row("reward mean (first -> last step)", f"{first} -> {last}")
+    table.add_row("loss (last step)", f"{p.loss:.4g}")
+    table.add_row("cell roles", "  ".join(f"{c}:{r}" for c, r in sorted(p.roles.items())))
+    table.add_row("flips / runs / KV migrations / restarts", f"{p.flips} / {p.runs} / {p.migrations} / {p.restarts}")
+    return table
+
+
+@contextmanager
+def progress_display(cfg: RunConfig, poll_s: float = 1.0):
+    """Show live progress while the body (the head's supervisor) runs."""
+    from rich.console import Console
+    from rich.live import Live
+
+    path = RunDir.at(cfg.run_dir).metrics
+    stop = threading.Event()
+    t0 = time.monotonic()
+    state = {"p": None}
+
+    def view():
+        p = state["p"]
+        if p is None:
+            from rich.text import Text
+            return Text(f"gyre rl: starting the fleet ({time.monotonic() - t0:.0f} s)")
+        return render(p, time.monotonic() - t0)
+
+    console = Console()
+    with Live(view(), console=console, refresh_per_second=2, transient=False) as live:
+        def poll():
+            while not stop.wait(poll_s):
+                try:
+                    state["p"] = read_progress(path, cfg)
+                except (OSError, KeyError, ValueError):
+                    pass
+                live.update(view())
+        thread = threading.Thread(target=poll, name="gyre-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+            try:
+                state["p"] = read_progress(path, cfg)
+            except (OSError, KeyError, ValueError):
+                pass
+            live.update(view())
+    console.line()
+
+
+def notebooks(root: Path | None = None) -> list[Path]:
+    """The analysis notebooks shipped with the project (``analysis/*.ipynb``)."""
+    root = root or Path(__file__).resolve().parents[2] / "analysis"
+    return sorted(root.glob("*.ipynb")) if root.is_dir() else []
