@@ -209,3 +209,15 @@ def test_policy_from_config_passes_elastic_parameters_and_names_bad_ones():
     bad = build_config({"scheduler": {"elastic": {"slots": 3}}})
     with pytest.raises(ValueError, match="no parameter slots; valid parameters: .*target_requests_per_engine"):
         policy_from_config(bad.scheduler)
+
+
+def test_capacity_helpers_count_engines_demand_and_trainers():
+    from gyre_hpc.sched.capacity import arriving_engines, flippable, rollout_demand, serving_engines, trainers_rate
+    s = state("TRRTR", inflight={1: 2, 2: 1}, switching={2, 3}, rollout_only={4}, unfinished_runs=7, queued_requests=1)
+    assert [c.cell for c in serving_engines(s)] == [1, 4]          # 2 is still switching to ROLLOUT
+    assert [c.cell for c in arriving_engines(s)] == [1, 2, 4]
+    assert [c.cell for c in flippable(s, Role.ROLLOUT)] == [1]       # not core, not switching, not rollout-only
+    assert rollout_demand(s) == 7                                     # max(3 in flight + 1 queued, 7 runs)
+    assert trainers_rate(s, 5.0) == 200.0                             # cells 0 and 3 at 100 tok/s each
+    with pytest.raises(ValueError, match="max_staleness"):
+        may_start_rollout(1, 0, -1)

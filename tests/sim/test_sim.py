@@ -170,3 +170,33 @@ def test_paper_preset_all_three_policies(capsys):
     for v in rep["policies"].values():
         assert v["runs_finished"] == 48 * w.run.runs_per_step
     assert wall < 300  # generous: the figure that matters is printed, and in `gyre-hpc sim --json`
+
+
+@pytest.mark.parametrize("dist", [Dist("lognormal", 100, 0.5), Dist("pareto", 100, alpha=3.0), Dist("fixed", 7.0),
+                                  Dist("lognormal", 100, 1.0, cap=150)])
+def test_dist_samples_have_the_stated_median_and_mean(dist):
+    x = dist.sample(np.random.default_rng(0), 200_000)
+    assert np.median(x) == pytest.approx(dist.median, rel=0.02)
+    if dist.cap:
+        assert x.max() <= dist.cap and x.mean() < dist.mean()  # the cap only lowers the mean
+    else:
+        assert x.mean() == pytest.approx(dist.mean(), rel=0.03)
+
+
+def test_async_split_balances_train_and_decode_cell_seconds_unless_configured():
+    w = preset("paper")
+    k = w.async_split()
+    e = w.engine
+    n = e.target_seqs()
+    train_s = w.mean_run_tokens() / (w.train.tokens_per_s * (1 - w.train.dp_sync_overhead))
+    decode_s = w.mean_run_decode_work() / (n * e.per_seq_tokens_per_s(n))
+    # k train cells and (cells - k) engines give the two kinds of work about equal time
+    assert abs(k / w.fleet.cells - train_s / (train_s + decode_s)) <= 0.5 / w.fleet.cells
+    assert scaled(w, **{"fleet.async_train_cells": 5}).async_split() == 5
+
+
+def test_policy_for_sizes_policies_from_the_workload():
+    w = preset("paper")
+    assert policy_for(w, "elastic").params.target_requests_per_engine == w.engine.target_seqs()
+    assert policy_for(w, "async").train_cells == w.async_split()
+    assert policy_for(w, "async", train_cells=3).train_cells == 3
