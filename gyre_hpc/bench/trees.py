@@ -119,7 +119,8 @@ def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: i
     in_tree = sum(t.n_tokens for t in trees)
     kwargs = dict(n_runs=n_runs, n_calls=n_calls, seed=seed, preset=preset, row_tokens=row_tokens)
     if n_runs < 2:
-        raise click.BadParameter("needs >= 2 runs: one run alone has zero group-normalised advantage", param_hint="--runs")
+        raise click.BadParameter(
+            "needs >= 2 runs: one run alone has zero group-normalised advantage", param_hint="--runs")
     if repeats < 1:
         raise click.BadParameter("must be >= 1", param_hint="--repeats")
     measured: dict[str, list[dict]] = {"per_path": [], "tree": []}

@@ -85,7 +85,8 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtyp
     radians at long contexts, where float32 angles lose the low bits that distinguish
     neighbouring positions.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     angles = position_ids.to(torch.float64)[..., None] * inv_freq          # [B, T, Dh/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None]                  # [B, 1, T, Dh]
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -197,7 +198,8 @@ class TinyLM(nn.Module):
                 f"TinyLM.forward: input_ids {tuple(input_ids.shape)} and position_ids "
                 f"{tuple(position_ids.shape)} must have the same [B, T] shape")
         if attention_fn is not None and attn_mask is not None:
-            raise ValueError("TinyLM.forward: pass attn_mask or attention_fn, not both (attention_fn replaces the mask)")
+            raise ValueError(
+                "TinyLM.forward: pass attn_mask or attention_fn, not both (attention_fn replaces the mask)")
         if past_kv is not None and len(past_kv) != len(self.model.layers):
             raise ValueError(f"TinyLM.forward: past_kv has {len(past_kv)} layers, the model {len(self.model.layers)}")
         x = self.model.embed_tokens(input_ids)

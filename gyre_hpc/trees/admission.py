@@ -3,8 +3,8 @@
 Order of preference: role first (main, then subagent, then summary: the main agent's
 decisions are what the reward scores most directly; summaries are bookkeeping); within a
 role, calls whose path no call of that role (or a preferred one) extends ("maximal"
-paths) before prefix paths, because a maximal path carries every output along its prefix; then journal
-order. Nodes that no kept path uses are pruned.
+paths) before prefix paths, because a maximal path carries every output along its
+prefix; then journal order. Nodes that no kept path uses are pruned.
 
 What stays trained: every position on a kept path that the policy generated keeps its
 target, even where the call that generated it was left out. That happens when a left-out

@@ -111,7 +111,8 @@ class SdpaTreeAttention:
             mask = None if recompute_masks else tree_mask_block(subtree_end, qs, qe, index, valid)
             self._blocks.append((qs, qe, index, valid, mask))
             shape = (subtree_end.shape[0], 1, qe - qs, index.shape[1])
-            if not self.largest_mask_block or shape[2] * shape[3] > self.largest_mask_block[2] * self.largest_mask_block[3]:
+            largest = self.largest_mask_block
+            if not largest or shape[2] * shape[3] > largest[2] * largest[3]:
                 self.largest_mask_block = shape
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

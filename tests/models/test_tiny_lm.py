@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gyre_hpc.models.checkpoint import CheckpointError, load_pretrained, save_pretrained
-from gyre_hpc.models.tiny_lm import PRESETS, LMConfig, TinyLM, build_model
+from gyre_hpc.models.tiny_lm import PRESETS, LMConfig, build_model
 
 
 def _ids(B, T, seed=0, vocab=264):

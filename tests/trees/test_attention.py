@@ -8,7 +8,7 @@ from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.trees.attention import (FlexTreeAttention, SdpaTreeAttention, resolve_backend, tree_attention,
                                       tree_key_index, tree_mask_block)
 from gyre_hpc.trees.builder import build_tree
-from gyre_hpc.trees.loss import StepWeights, packed_loss
+from gyre_hpc.trees.loss import StepWeights, packed_loss, tree_loss
 from gyre_hpc.trees.packing import collate, pack
 
 
@@ -72,7 +72,6 @@ def test_recomputed_and_kept_masks_give_the_same_gradient(make_journal):
     model = build_model("tiny", seed=3).double()
     grads = []
     for recompute in (True, False):
-        from gyre_hpc.trees.loss import tree_loss
         logits = model(batch.input_ids, batch.position_ids,
                        attention_fn=SdpaTreeAttention(batch.subtree_end, 64, recompute_masks=recompute))
         tree_loss(logits, batch, weights, 0.2).backward()
