@@ -67,3 +67,17 @@ def test_migration_across_ranks_continues_exactly_without_prefill(model_dir, oth
     assert result["final"]["1"]["migrations_out"] == 2
     decoded_after_move = sum(MAX_NEW - n for n in result["tokens_at_move"].values())
     assert after["decode_tokens"] - before["decode_tokens"] >= decoded_after_move
+
+
+@pytest.mark.mpi
+def test_import_that_does_not_fit_fails_naming_the_field_and_hangs_no_rank(model_dir, tmp_path):
+    out_path = tmp_path / "result.json"
+    proc = subprocess.run(
+        ["mpiexec", "-n", "3", "--oversubscribe", sys.executable, str(HERE / "mpi_bad_import_program.py"),
+         str(model_dir), str(out_path)],
+        env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out_path.read_text())
+    assert result["error"] is not None and "dtype=float32 (engine has float64)" in result["error"]
+    assert "rank 2" in result["error"]
+    assert result["source_out"] == 1 and result["dest_in"] == 0

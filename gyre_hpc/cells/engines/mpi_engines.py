@@ -192,37 +192,44 @@ class MPIEngines:
         self.comm.send((op, payload), dest=self._rank(engine), tag=CMD_TAG)
 
     def _receive_one(self, status) -> tuple | None:
-        """Take one upward message; events are queued for ``poll``, replies returned."""
+        """Take one upward message; events are queued for ``poll``, replies returned as
+        (engine, op, payload), where op is "error" for a failed command."""
         rank = status.Get_source()
         msg = self.comm.recv(source=rank, tag=UP_TAG)
         if msg[0] == "events":
             self._pending.append(EngineReport(self._engine_of[rank], tuple(msg[1]), tuple(msg[2])))
             return None
-        if msg[1] == "error":
-            raise EngineError(f"engine {self._engine_of[rank]} (rank {rank}): {msg[2]}")
         return (self._engine_of[rank],) + tuple(msg[1:])
 
-    def _await_replies(self, engines: list[int], op: str) -> dict[int, object]:
-        """Wait for ``op``'s reply from each engine, queueing the events that come first."""
+    def _await_replies(self, expect: Mapping[int, str]) -> dict[int, object]:
+        """Wait until every engine in ``expect`` answered its command, queueing the events
+        that come first. Errors are gathered and raised only once all have answered, so no
+        reply is left in flight to be mistaken for the answer to a later command."""
         from mpi4py import MPI
 
-        want = set(engines)
         got: dict[int, object] = {}
-        while want - set(got):
-            status = _wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG)
-            r = self._receive_one(status)
+        errors: list[str] = []
+        while set(expect) - set(got):
+            r = self._receive_one(_wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG))
             if r is None:
                 continue
-            engine, rop, payload = r
-            if rop != op or engine not in want:
-                raise EngineError(f"engine {engine} replied {rop!r} while the controller waited for {op!r}")
-            got[engine] = payload
+            engine, op, payload = r
+            if engine in expect and engine not in got and op in (expect[engine], "error"):
+                got[engine] = payload
+                if op == "error":
+                    errors.append(f"engine {engine} (rank {self.ranks[engine]}) {expect[engine]}: {payload}")
+            elif op == "error":       # a command without a reply (submit) failed earlier
+                errors.append(f"engine {engine} (rank {self.ranks[engine]}): {payload}")
+            else:
+                errors.append(f"engine {engine} sent an unexpected reply {op!r}")
+        if errors:
+            raise EngineError("; ".join(errors))
         return got
 
     def call(self, engine: int, op: str, payload=None):
         """One command with a reply (stats, load_weights, sleep, wake, open, stop)."""
         self._send(engine, op, payload)
-        return self._await_replies([engine], op)[engine]
+        return self._await_replies({engine: op})[engine]
 
     # -- EngineTransport ---------------------------------------------------------------
     def submit(self, engine: int, request: Request) -> None:
@@ -233,20 +240,21 @@ class MPIEngines:
         for the first message so a polling loop does not spin."""
         from mpi4py import MPI
 
+        replies = []
         if not self._pending:
             status = _wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG, self.poll_timeout_s)
             if status is not None:
-                self._check_no_reply(self._receive_one(status))
+                replies.append(self._receive_one(status))
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=UP_TAG, status=status):
-            self._check_no_reply(self._receive_one(status))
+            replies.append(self._receive_one(status))
         out, self._pending = self._pending, []
+        errors = [f"engine {r[0]} (rank {self.ranks[r[0]]}): {r[2] if r[1] == 'error' else f'unexpected reply {r[1]!r}'}"
+                  for r in replies if r is not None]
+        if errors:
+            self._pending = out   # nothing is lost: the events are returned by the next poll
+            raise EngineError("; ".join(errors))
         return out
-
-    @staticmethod
-    def _check_no_reply(r) -> None:
-        if r is not None:
-            raise EngineError(f"engine {r[0]} sent an unexpected reply {r[1]!r} outside a command")
 
     def close_admission(self, engine: int) -> list[str]:
         return list(self.call(engine, "close"))
@@ -260,10 +268,11 @@ class MPIEngines:
         self._send(source, "send_states", [(rid, self._rank(dest)) for rid, dest in plan.items()])
         for dest, items in by_dest.items():
             self._send(dest, "recv_states", items)
-        sent = self._await_replies([source], "send_states")[source]
+        expect = {dest: "recv_states" for dest in by_dest}
+        expect[source] = "send_states"
+        sent = self._await_replies(expect)[source]
         if sent["outputs"]:
             self._pending.append(EngineReport(source, (), tuple(sent["outputs"])))
-        self._await_replies(list(by_dest), "recv_states")
         return MigrationResult(source, sent["moved"], tuple(sent["gone"]), sent["tokens_at_move"],
                                sent["bytes"], sent["seconds"])
 
@@ -277,4 +286,4 @@ class MPIEngines:
         """Stop every engine's serve loop; returns each engine's final counters."""
         for engine in self.ranks:
             self._send(engine, "stop")
-        return self._await_replies(list(self.ranks), "stop")
+        return self._await_replies({engine: "stop" for engine in self.ranks})
