@@ -491,3 +491,23 @@ def test_dataset_view_survives_arrays_of_unequal_length_left_by_a_dead_writer(tm
     with TreeStore.open(path, "a"):        # the next writer truncates the residue
         pass
     assert dict(xr.open_zarr(path, consolidated=False).sizes) == committed
+
+
+def test_stream_reader_sees_each_tree_once_across_a_killed_and_relaunched_writer(tmp_path):
+    path = tmp_path / "trees.zarr"
+    first, out = _spawn(WRITER, path, 30, 3, 9)              # stalls before committing tree 9
+    out.until("opened")
+    reader, lines = _spawn(READER, path)     # the writer has the store open: the stream waits
+    try:
+        out.until("stalled")
+        first.send_signal(signal.SIGKILL)                     # trees 6..8 written, never committed
+        first.wait(timeout=30)
+        got = lines.until("run-000005", timeout=30)
+        second, _ = _spawn(WRITER, path, 30, 3, 0)            # the relaunch: truncates, continues
+        assert second.wait(timeout=120) == 0, second.stderr.read().decode()
+        got += lines.until("end", timeout=60)
+        assert reader.wait(timeout=30) == 0
+    finally:
+        reader.kill()
+    ids = [line.split()[0] for line in got[:-1]]
+    assert ids == [f"run-{s:06d}" for s in range(30)]        # in order, none lost, none twice
