@@ -100,3 +100,16 @@ def test_up_with_another_node_count_says_to_stop_first():
     n = len(cluster.node_states())
     with pytest.raises(cluster.ClusterError, match="cluster down` first"):
         cluster.up(cluster.ClusterSpec(nodes=n + 1, state_dir=state_dir))
+
+
+@pytest.mark.slurm
+def test_status_lists_our_daemons_and_every_node():
+    state_dir = cluster.state_dir_default()
+    if not (state_dir / "pids.json").exists():
+        pytest.skip(f"the running cluster was not started from {state_dir} by `gyre-hpc cluster up`")
+    out = subprocess.run([sys.executable, "-c", "from gyre_hpc.cli import main; main()", "cluster", "status"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "slurmctld" in out.stdout and "gone" not in out.stdout
+    for node in cluster.node_states():
+        assert f"{node.name} " in out.stdout
