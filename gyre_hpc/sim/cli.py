@@ -31,12 +31,13 @@ def _set(values: tuple[str, ...]) -> dict:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override one field, e.g. fleet.cells=16")
 @click.option("--policies", default="elastic,async,colocate", show_default=True)
 @click.option("--out", type=click.Path(file_okay=False),
-              help="write one run directory per policy here (metrics.h5 + sim.json)")
+              help="one run directory per policy goes here (metrics.h5 + sim.json); default runs/sim/<workload>")
+@click.option("--no-record", is_flag=True, help="write no run directories")
 @click.option("--sweep", "do_sweep", is_flag=True, help="vary tail, switch cost, cell count, training cost")
 @click.option("--sweep-steps", type=int, default=4, show_default=True, help="RL steps per sweep point")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies: str, out: str | None,
-        do_sweep: bool, sweep_steps: int, as_json: bool) -> None:
+        no_record: bool, do_sweep: bool, sweep_steps: int, as_json: bool) -> None:
     """Simulate a fleet of cells under each scheduler policy (same runs for each)."""
     try:
         w = load_workload(workload_file, preset, _set(sets))
@@ -53,8 +54,10 @@ def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies:
         return
     from gyre_hpc.sim.compare import PAPER_HOURS, POLICIES, compare
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    if out is None and not no_record:
+        out = f"runs/sim/{w.name}"
     try:
-        report = compare(w, names, out)
+        report = compare(w, names, None if no_record else out)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     report["total_h"] = {k: v["total_h"] for k, v in report["policies"].items()}

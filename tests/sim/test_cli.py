@@ -23,6 +23,15 @@ def test_sim_json_reports_hours_and_speedups_measured_in_the_same_run(tmp_path):
     for name in hours:
         assert (tmp_path / name / "metrics.h5").is_file() and (tmp_path / name / "sim.json").is_file()
     assert "paper_reported_h" not in rep  # only printed beside the paper preset
+    assert rep["run_dirs"] == {k: str(tmp_path / k) for k in hours}
+
+
+def test_sim_records_under_runs_sim_by_default_and_not_with_no_record(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert invoke("--preset", "tiny", "--set", "steps=1", "--policies", "elastic", "--json").exit_code == 0
+    assert (tmp_path / "runs/sim/tiny/elastic/metrics.h5").is_file()
+    r = invoke("--preset", "tiny", "--set", "steps=1", "--policies", "colocate", "--json", "--no-record")
+    assert "run_dirs" not in json.loads(r.output) and not (tmp_path / "runs/sim/tiny/colocate").exists()
 
 
 def test_sim_set_and_workload_errors_name_the_field(tmp_path):
