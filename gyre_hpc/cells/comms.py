@@ -14,7 +14,6 @@ from typing import Iterable
 from mpi4py import MPI
 
 from gyre_hpc.cells.plan import Cell, cell_of_rank, core_cell, train_ranks
-from gyre_hpc.sched.state import Role
 
 
 def split_cell_comm(world: MPI.Intracomm, cells: Iterable[Cell]) -> MPI.Intracomm | None:
@@ -83,7 +82,3 @@ class RankComms:
         free(self.train)
         self.train = split_train_comm(self.world, cells)
 
-
-def in_train(cells: Iterable[Cell], rank: int) -> bool:
-    c = cell_of_rank(cells, rank)
-    return c is not None and c.role is Role.TRAIN

@@ -9,6 +9,7 @@ redo them, so a step's gradient is always the mean over all its micro-batches.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from gyre_hpc.cells import checkpoint, comms, protocol
-from gyre_hpc.cells.plan import Cell, core_cell, train_ranks, with_roles
+from gyre_hpc.cells.plan import Cell, cell_of_rank, core_cell, train_ranks, with_roles
 from gyre_hpc.config import RunConfig
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, StepRow, TimelineRow
@@ -77,10 +78,16 @@ class Controller:
     verify_weights: bool = False
     keep_checkpoints: int = 2
     control_poll_s: float = 0.25
+    last_checkpointed: int = -1        # the step the newest checkpoint holds (resume: meta.step)
     result: FleetResult = field(init=False)
     _exit_requested: bool = field(default=False, init=False)
     _last_control_check: float = field(default=0.0, init=False)
-    _last_checkpointed: int = field(default=-1, init=False)
+    _last_consult: float = field(default=float("-inf"), init=False)
+    _unsealed_rows: list[StepRow] = field(default_factory=list, init=False)
+    # Measured per cell: tokens/s as a replica and as an engine (policy inputs).
+    _train_rate: dict[int, float] = field(default_factory=dict, init=False)
+    _rollout_rate: dict[int, float] = field(default_factory=dict, init=False)
+    _tokens_per_micro_batch: int = field(default=0, init=False)   # backlog estimate, from reports
 
     def __post_init__(self) -> None:
         self.result = FleetResult(exit_code=-1, first_step=self.start_step, last_completed=self.start_step - 1)
@@ -102,31 +109,60 @@ class Controller:
                 replies[status.Get_source()] = msg
                 pause = 0.0002
                 continue
-            self.exit_requested()
+            self.exit_requested(now=False)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
         return replies
 
-    def exit_requested(self) -> bool:
-        now = time.monotonic()
-        if not self._exit_requested and now - self._last_control_check >= self.control_poll_s:
-            self._last_control_check = now
+    def exit_requested(self, now: bool = True) -> bool:
+        """Has the supervisor asked for checkpoint-and-exit? Always looked up at step and round
+        boundaries; while waiting for replies (``now=False``) at most every ``control_poll_s``."""
+        t = time.monotonic()
+        if not self._exit_requested and (now or t - self._last_control_check >= self.control_poll_s):
+            self._last_control_check = t
             self._exit_requested = (self.run.control / CHECKPOINT_AND_EXIT).exists()
         return self._exit_requested
 
     # ---- policy and flips ------------------------------------------------------------
-    def cluster_state(self, step: int, backlog_micro_batches: int = 0) -> ClusterState:
+    def cluster_state(self, step: int, backlog_tokens: int = 0) -> ClusterState:
+        """What the policy sees: roles, measured rates and switch costs, the step's backlog."""
+        r2t = [f.duration_s for f in self.result.flips if f.to == Role.TRAIN.value]
+        t2r = [f.duration_s for f in self.result.flips if f.to == Role.ROLLOUT.value]
+        defaults = ClusterState(time=0.0, step=0, cells=())
         return ClusterState(
             time=time.time(), step=step,
-            cells=tuple(CellState(cell=c.id, kind=c.kind, role=c.role) for c in self.cells),
-            train_backlog_tokens=backlog_micro_batches, policy_version=self.policy_version)
+            cells=tuple(CellState(cell=c.id, kind=c.kind, role=c.role,
+                                  train_tokens_per_s=self._train_rate.get(c.id, 0.0),
+                                  rollout_tokens_per_s=self._rollout_rate.get(c.id, 0.0)) for c in self.cells),
+            train_backlog_tokens=backlog_tokens, policy_version=self.policy_version,
+            rollout_to_train_s=statistics.median(r2t) if r2t else defaults.rollout_to_train_s,
+            train_to_rollout_s=statistics.median(t2r) if t2r else defaults.train_to_rollout_s)
 
-    def consult(self, step: int, round_: int, backlog: int) -> list[RoleChange]:
-        changes = [ch for ch in self.policy(self.cluster_state(step, backlog))
+    def consult(self, step: int, round_: int, backlog_tokens: int) -> list[RoleChange]:
+        """Ask the policy (at a step's start always, mid-step every scheduler.interval_s) and flip."""
+        now = time.monotonic()
+        if round_ > 0 and now - self._last_consult < self.cfg.scheduler.interval_s:
+            return []
+        self._last_consult = now
+        changes = [ch for ch in self.policy(self.cluster_state(step, backlog_tokens))
                    if next(c for c in self.cells if c.id == ch.cell).role is not Role(ch.to)]
         if changes:
             self.flip(step, round_, changes)
         return changes
+
+    def _measure(self, replies: dict[int, protocol.RoundReport]) -> None:
+        by_cell: dict[int, list[protocol.RoundReport]] = {}
+        for rank, rep in replies.items():
+            by_cell.setdefault(cell_of_rank(self.cells, rank).id, []).append(rep)
+        for cid, reps in by_cell.items():
+            seconds = max(r.seconds for r in reps)
+            if seconds <= 0:
+                continue
+            train, rollout = sum(r.tokens for r in reps), sum(r.rollout_tokens for r in reps)
+            if train:
+                self._train_rate[cid] = train / seconds
+            if rollout:
+                self._rollout_rate[cid] = rollout / seconds
 
     def flip(self, step: int, round_: int, changes: list[RoleChange]) -> list[FlipRecord]:
         new = with_roles(self.cells, {ch.cell: Role(ch.to) for ch in changes})  # refuses forbidden flips
@@ -180,24 +216,25 @@ class Controller:
         """One training step; None when an exit request interrupted it (nothing of it is kept)."""
         t0 = time.perf_counter()
         total = self.micro_batches_per_step()
-        self.consult(step, 0, total)
+        self.consult(step, 0, total * self._tokens_per_micro_batch)
         self.broadcast(protocol.BeginStep(step))
         self.collect()
         pending = list(range(total))
         done_by: dict[int, list[int]] = {}
         losses: dict[int, float] = {}
-        tokens = 0
+        mb_tokens: dict[int, int] = {}
         round_ = 0
         while pending:
             if round_ > 0:
                 before = {c.id: c.role for c in self.cells}
-                self.consult(step, round_, len(pending))
+                self.consult(step, round_, len(pending) * self._tokens_per_micro_batch)
                 for c in self.cells:
                     if before[c.id] is Role.TRAIN and c.role is not Role.TRAIN:
                         for r in c.ranks:                       # hand back its micro-batches
                             for mb in done_by.pop(r, []):
                                 pending.append(mb)
                                 losses.pop(mb, None)
+                                mb_tokens.pop(mb, None)
                     if before[c.id] is not Role.TRAIN and c.role is Role.TRAIN:
                         for r in c.ranks:
                             done_by.pop(r, None)
@@ -209,22 +246,26 @@ class Controller:
             assign = {r: (mb,) for r, mb in zip(ranks, pending)}
             pending = pending[len(assign):]
             self.broadcast(protocol.Round(step=step, round=round_, assign=assign))
-            for rank, rep in self.collect().items():
+            replies = self.collect()
+            self._measure(replies)
+            for rank, rep in replies.items():
                 if rep.losses:
                     done_by.setdefault(rank, []).extend(rep.losses)
                     losses.update(rep.losses)
-                    tokens += rep.tokens
+                    self._tokens_per_micro_batch = rep.tokens // len(rep.losses)
+                    mb_tokens.update((mb, self._tokens_per_micro_batch) for mb in rep.losses)
             round_ += 1
         self.broadcast(protocol.EndStep(step=step, micro_batches=total, checksums=self.verify_weights))
         ends = self.collect()
         self.policy_version += 1
         return StepRecord(step=step, wall_s=time.perf_counter() - t0, loss=sum(losses.values()) / len(losses),
-                          train_cells=tuple(c.id for c in self.cells if c.role is Role.TRAIN), tokens=tokens,
+                          train_cells=tuple(c.id for c in self.cells if c.role is Role.TRAIN),
+                          tokens=sum(mb_tokens.values()),
                           policy_version=self.policy_version,
                           checksums={r: e.checksum for r, e in ends.items()} if self.verify_weights else None)
 
     def save_checkpoint(self, step: int) -> Path:
-        if step == self._last_checkpointed:
+        if step == self.last_checkpointed:
             return self.run.checkpoints / checkpoint.step_dir_name(step)
         staging = checkpoint.staging_dir(self.run.checkpoints, step)
         self.broadcast(protocol.SaveCheckpoint(step=step, directory=str(staging)))
@@ -232,7 +273,11 @@ class Controller:
         meta = checkpoint.CheckpointMeta(step=step, policy_version=self.policy_version,
                                          roles={str(c.id): c.role.value for c in self.cells})
         final = checkpoint.commit(self.run.checkpoints, step, meta, keep=self.keep_checkpoints)
-        self._last_checkpointed = step
+        self.last_checkpointed = step
+        # Step rows are written once their step is sealed: a fleet killed before the checkpoint
+        # reruns those steps after the relaunch, and their rows must not appear twice.
+        self.metrics.append(self._unsealed_rows)
+        self._unsealed_rows = []
         return final
 
     def stop(self, code: int) -> FleetResult:
@@ -251,9 +296,9 @@ class Controller:
                 break
             self.result.steps.append(rec)
             self.result.last_completed = step
-            self.metrics.add(StepRow(step=step, time=time.time(), wall_s=rec.wall_s, tokens=rec.tokens,
-                                     replicas=len(rec.train_cells), loss=rec.loss,
-                                     policy_version=rec.policy_version))
+            self._unsealed_rows.append(StepRow(step=step, time=time.time(), wall_s=rec.wall_s, tokens=rec.tokens,
+                                               replicas=len(rec.train_cells), loss=rec.loss,
+                                               policy_version=rec.policy_version))
             print(f"[fleet] step {step}/{steps} loss {rec.loss:.5f} train cells {list(rec.train_cells)} "
                   f"{rec.wall_s:.2f}s", flush=True)
             if step % self.cfg.train.checkpoint_every == 0 or step == steps:

@@ -24,7 +24,7 @@ from gyre_hpc.cells.plan import CONTROLLER_RANK, core_cell, plan_cells, world_si
 from gyre_hpc.cells.workload import SubstrateWorkload, Workload
 from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import MetricsWriter
+from gyre_hpc.rundir.metrics import MetricsWriter, recover_unclosed
 from gyre_hpc.sched.state import Policy, Role
 
 WorkloadFactory = Callable[[RunConfig, int], Workload]
@@ -72,15 +72,18 @@ def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
     if rank == CONTROLLER_RANK:
         run.make()
         policy = options.policy or resolve_policy(cfg)
+        # A fleet that died (Abort, scancel) left metrics.h5 flagged as open; nobody else writes
+        # while the fleet starts, so it is safe to reopen it here whoever launched us.
+        recovered = recover_unclosed(run.metrics)
         with MetricsWriter(run.metrics) as metrics:
+            if recovered:
+                metrics.event("metrics_recovered", detail="previous writer died; rows copied to a fresh file")
             start = meta.step + 1 if meta else 1
             metrics.event("fleet_resume" if meta else "fleet_start", step=start,
                           detail=f"from {latest.name}" if latest else "fresh")
             ctl = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
                              start_step=start, policy_version=meta.policy_version if meta else 0,
-                             verify_weights=options.verify_weights)
-            if meta:
-                ctl._last_checkpointed = meta.step
+                             verify_weights=options.verify_weights, last_checkpointed=meta.step if meta else -1)
             result = ctl.serve()
             metrics.event("fleet_exit", step=result.last_completed, detail=f"exit {result.exit_code}")
         return result

@@ -61,7 +61,8 @@ def test_scripted_flips_move_the_core_weights_bit_for_bit_both_ways(tmp_path):
 
 
 def test_mid_step_flips_hand_back_micro_batches_and_keep_the_step_gradient(tmp_path):
-    flipping = make_run_dir(tmp_path / "flip", train={"steps": 4})
+    # interval_s: the controller asks the policy again at every round, not only each 0.5 s
+    flipping = make_run_dir(tmp_path / "flip", train={"steps": 4}, scheduler={"interval_s": 0.001})
     steady = make_run_dir(tmp_path / "steady", train={"steps": 4})
     proc, res = probe(flipping, "midstep", 4, chunk_bytes=100_000)
     ok(proc)
@@ -82,12 +83,20 @@ def test_mid_step_flips_hand_back_micro_batches_and_keep_the_step_gradient(tmp_p
     assert int(a["updates"]) == 4
 
 
-def test_an_exception_on_one_rank_ends_the_whole_fleet(tmp_path):
-    run = make_run_dir(tmp_path / "run", train={"steps": 6})
+def test_an_exception_on_one_rank_ends_the_whole_fleet_and_a_relaunch_runs_each_step_once(tmp_path):
+    # checkpoint_every=2: step 1 completes but is not sealed when rank 2 fails in step 2.
+    run = make_run_dir(tmp_path / "run", train={"steps": 4, "checkpoint_every": 2})
     proc, res = probe(run, "fail", 4, timeout=90)
     assert proc.returncode not in (0, 75)
     assert "injected failure on rank 2" in proc.stderr
     assert res is None
+    assert ck.latest_dir(run / "checkpoints") is None
+    assert read_table(run / "metrics.h5", "steps")["step"].tolist() == []   # step 1 was never sealed
+
+    # The supervisor's relaunch reruns step 1 (nothing sealed it) and writes each step's row once.
+    ok(mpiexec(4, ["-m", "gyre_hpc.cells", "--run-dir", str(run)], timeout=150))
+    assert read_table(run / "metrics.h5", "steps")["step"].tolist() == [1, 2, 3, 4]
+    assert [p.name for p in ck.complete_dirs(run / "checkpoints")] == ["step-00000002", "step-00000004"]
 
 
 @pytest.mark.slow   # three fleet launches
@@ -97,7 +106,9 @@ def test_checkpoint_and_exit_gives_75_then_resume_runs_each_step_once(tmp_path):
     assert proc.returncode == 75, proc.stderr[-3000:]
     latest = ck.latest_dir(run / "checkpoints")
     meta = ck.read_meta(latest)
-    assert 2 <= meta.step < 6 and latest.name == f"step-{meta.step:08d}"
+    # The request appears during step 2's first round; the controller sees it at the next round
+    # boundary, abandons step 2 and seals step 1, the last completed one.
+    assert meta.step == 1 and latest.name == "step-00000001"
     assert int(ck.load_state(latest)["updates"]) == meta.step
     assert set(meta.roles) == {"0", "1", "2"} and meta.roles["0"] == "TRAIN"
     assert read_table(run / "metrics.h5", "steps")["step"].tolist() == list(range(1, meta.step + 1))
