@@ -188,6 +188,11 @@ def test_open_errors_name_the_file(tmp_path):
     with pytest.raises(StoreError, match=r"trees\.zarr/zarr\.json: schema_version 2, this code reads version 1"):
         TreeStore.open(path)
     meta["attributes"]["gyre_tree_store"]["schema_version"] = 1
+    meta["attributes"]["gyre_tree_store"]["layout"]["token_chunk"] = "big"
+    (path / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match=r"trees\.zarr/zarr\.json: bad store layout .*token_chunk='big'"):
+        TreeStore.open(path)
+    meta["attributes"]["gyre_tree_store"]["layout"]["token_chunk"] = SMALL.token_chunk
     (path / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(StoreError, match="was created with"):
         TreeStore.open(path, "a", layout=StoreLayout())
