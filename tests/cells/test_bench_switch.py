@@ -50,3 +50,20 @@ def test_bench_switch_cli_prints_json_with_baseline_and_ratio(tmp_path):
     assert out["rollout_to_train_s"]["median"] > 0 and out["baseline"]["MBps"] > 0
     assert out["ratio"]["transfer_MBps_over_baseline_MBps"] == pytest.approx(
         out["weight_transfer_MBps"]["median"] / out["baseline"]["MBps"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow   # one srun het step over the virtual nodes
+def test_bench_switch_runs_as_one_srun_pmix_world_across_virtual_nodes(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "from gyre_hpc.cli import main; main()", "bench", "switch",
+                           "--json", "--launcher", "slurm", "--state-mb", "4", "--flips", "1",
+                           "--keep", str(tmp_path / "run"), "--timeout", "240"],
+                          capture_output=True, text=True, timeout=300, env=mpi_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["launcher"] == "slurm" and out["world_size"] == 4
+    assert out["command"].startswith("srun --mpi=pmix")
+    nodelists = [part.split("--nodelist ")[1].split()[0] for part in out["command"].split(" : ")]
+    assert len(set(nodelists)) >= 3          # controller and cells spread over >= 3 virtual nodes
+    assert out["flips"]["rollout_to_train"] >= 1 and out["flips"]["train_to_rollout"] >= 1
+    assert out["weight_transfer_MBps"]["bytes_per_flip"] >= 4 << 20
