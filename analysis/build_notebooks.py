@@ -150,7 +150,7 @@ for ax, knob in zip(axes[0], knobs):
     ax.axhline(1.0, color="k", ls="--", lw=0.8)
     ax.set_title(knob); ax.set_xlabel(knob)
     if knob in ("switch_cost_x", "cells", "train_cost_x"):  # multiplicative knobs
-        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xscale("log" if min(x) > 0 else "symlog", **({} if min(x) > 0 else {"linthresh": 1}))
 axes[0, 0].set_ylabel("elastic speedup"); axes[0, 0].legend()
 fig.tight_layout()
 fig.savefig(FIGURES / "sweep.png", dpi=80)
