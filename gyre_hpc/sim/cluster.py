@@ -13,7 +13,6 @@ policy the runtime calls; the changes it returns are applied with their switch c
 from __future__ import annotations
 
 import heapq
-import math
 import time as wallclock
 from collections import deque
 from dataclasses import dataclass, field

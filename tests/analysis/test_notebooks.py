@@ -54,7 +54,7 @@ def test_notebook_executes_and_writes_figures(name, sample, kernel_env, tmp_path
     monkeypatch.setenv("JUPYTER_PATH", kernel_env + os.pathsep + os.environ.get("JUPYTER_PATH", ""))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(REPO / "analysis" / f"{name}.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="gyre-test",
+    nbclient.NotebookClient(nb, timeout=120, startup_timeout=120, kernel_name="gyre-test",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     for png in FIGURES[name]:
         img = matplotlib.image.imread(figures / png)

@@ -200,3 +200,27 @@ def test_policy_for_sizes_policies_from_the_workload():
     assert policy_for(w, "elastic").params.target_requests_per_engine == w.engine.target_seqs()
     assert policy_for(w, "async").train_cells == w.async_split()
     assert policy_for(w, "async", train_cells=3).train_cells == 3
+
+
+def test_in_the_simulator_elastic_never_leaves_unfinished_runs_without_an_engine():
+    # Every decision the simulator asks for, checked: after applying it, while runs are
+    # unfinished and an engine existed, at least one cell is (or is becoming) an engine.
+    w = scaled(TINY, **{"train.tokens_per_s": 300.0, "run.tasks_per_step": 16, "run.runs_per_task": 2})
+    elastic = policy_for(w, "elastic")
+    seen = {"decisions": 0, "releases": 0}
+
+    def checked(state: ClusterState) -> list[RoleChange]:
+        changes = elastic(state)
+        to = {c.cell: c.to for c in changes}
+        before = [c for c in state.cells if c.role is Role.ROLLOUT]
+        after = [c for c in state.cells if to.get(c.cell, c.role) is Role.ROLLOUT]
+        if state.unfinished_runs > 0 and before:
+            assert after, state
+        seen["decisions"] += 1
+        seen["releases"] += sum(t is Role.TRAIN for t in to.values())
+        return changes
+
+    checked.max_staleness = 0
+    r = simulate(w, checked, "elastic-checked")
+    assert seen["decisions"] > 20 and seen["releases"] > 0
+    assert r.total_s == simulate(w, elastic, "elastic").total_s  # the wrapper changed nothing
