@@ -189,6 +189,12 @@ class FleetSim:
         e.load_stamp += 1
         if self.serving(self.cells[cid]):
             heapq.heappush(self.load_heap, (len(e.heap), cid, e.load_stamp))
+        if len(self.load_heap) > 64 * len(self.cells):
+            # Stale entries are only dropped when they reach the top; rebuild now and then
+            # so the heap stays the size of the fleet rather than of the event count.
+            self.load_heap = [(len(x.heap), i, x.load_stamp) for i, x in enumerate(self.engines)
+                              if self.serving(self.cells[i])]
+            heapq.heapify(self.load_heap)
 
     def route(self, run: int, work: float, front: bool = False) -> None:
         """Least-loaded serving engine with room, else the FIFO queue."""
