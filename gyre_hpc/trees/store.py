@@ -36,7 +36,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
-from gyre_hpc.trees.model import ROLES, Tree
+from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.store_commit import (
     CONTROL_DIR, MARKER_NAME, ChunkCorruptError, CommitMarker, CorruptChunk, StoreError, chunk_checksum,
     fsync_dir, marker_path, read_marker, write_marker,
