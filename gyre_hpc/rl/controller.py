@@ -92,6 +92,24 @@ class RunSpec:
         return f"s{self.step:05d}-t{self.group}-g{self.index}"
 
 
+def sample_runs(tasks: list[Task], cfg: RunConfig, step: int) -> list[RunSpec]:
+    """The runs of ``step``: ``tasks_per_step`` tasks (seeded by run seed and step), G runs each.
+
+    A pure function of (config, step), so a relaunched fleet asks for the very same runs
+    (same ids, same seeds) and finds their journals and stored trees.
+    """
+    rc = cfg.rollout
+    rng = np.random.default_rng([cfg.seed, step])
+    k = rc.tasks_per_step
+    picks = rng.permutation(len(tasks))[:k] if k <= len(tasks) else rng.integers(0, len(tasks), k)
+    specs = []
+    for slot, t in enumerate(picks):
+        for g in range(rc.runs_per_task):
+            digest = hashlib.blake2b(f"{cfg.seed}/{step}/{slot}/{g}".encode(), digest_size=8).digest()
+            specs.append(RunSpec(step, slot, g, tasks[int(t)], int.from_bytes(digest, "little") >> 1))
+    return specs
+
+
 @dataclass
 class RunOutcome:
     spec: RunSpec
@@ -200,16 +218,7 @@ class RLController:
 
     # ---- the run of one step -------------------------------------------------------------
     def sample_runs(self, step: int) -> list[RunSpec]:
-        rc = self.cfg.rollout
-        rng = np.random.default_rng([self.cfg.seed, step])
-        k = rc.tasks_per_step
-        picks = rng.permutation(len(self.tasks))[:k] if k <= len(self.tasks) else rng.integers(0, len(self.tasks), k)
-        specs = []
-        for slot, t in enumerate(picks):
-            for g in range(rc.runs_per_task):
-                digest = hashlib.blake2b(f"{self.cfg.seed}/{step}/{slot}/{g}".encode(), digest_size=8).digest()
-                specs.append(RunSpec(step, slot, g, self.tasks[int(t)], int.from_bytes(digest, "little") >> 1))
-        return specs
+        return sample_runs(self.tasks, self.cfg, step)
 
     def stored_trees(self, step: int) -> dict[str, Tree]:
         """Trees of ``step`` committed after the last checkpoint (a kill came before training them)."""

@@ -9,6 +9,8 @@ committed trees are trained (``trained_upto``) and where to continue.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import traceback
@@ -38,6 +40,7 @@ class RLFleetOptions:
     policy: Policy | None = None      # None: the one cfg.scheduler names
     verify_weights: bool = False      # replicas report state checksums at each step's end (tests)
     max_batch: int = 64               # engine continuous-batching width
+    result_path: str | None = None    # rank 0 writes the RLFleetResult here as JSON (tests, benchmarks)
 
 
 def check_rl_config(cfg: RunConfig) -> None:
@@ -87,6 +90,8 @@ def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions()
                                verify_weights=options.verify_weights)
             result = ctl.serve()
             metrics.event("fleet_exit", step=result.last_completed, detail=f"exit {result.exit_code}")
+        if options.result_path:
+            Path(options.result_path).write_text(json.dumps(dataclasses.asdict(result), indent=1))
         return result
 
     trainer = RLTrainer(cfg)

@@ -1,0 +1,57 @@
+"""An RL fleet rank with a test-chosen policy: ``mpiexec -n N python fleet_program.py RUN_DIR [--policy P]``.
+
+``--policy migrate`` is the run config's policy plus one forced release per step: the first
+time an elastic ROLLOUT engine holds requests mid-decode, it is flipped to TRAIN, so its
+sequences must move with their KV cache. Whether the elastic policy itself releases a cell
+while it still decodes depends on timing; this makes the migration path run every time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gyre_hpc.config import load_config  # noqa: E402
+from gyre_hpc.rl.fleet import RLFleetOptions, main_guarded  # noqa: E402
+from gyre_hpc.rundir.layout import RunDir  # noqa: E402
+from gyre_hpc.sched.registry import policy_from_config  # noqa: E402
+from gyre_hpc.sched.state import CellKind, ClusterState, Role, RoleChange  # noqa: E402
+
+
+class ReleaseWhileDecoding:
+    """Wraps a policy; once per step releases the first elastic engine holding in-flight requests."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.max_staleness = getattr(inner, "max_staleness", 0)
+        self.done_steps: set[int] = set()
+
+    def __call__(self, state: ClusterState) -> list[RoleChange]:
+        if state.step not in self.done_steps:
+            engines = [c for c in state.cells if c.role is Role.ROLLOUT and not c.switching]
+            busy = [c for c in engines if c.kind is CellKind.ELASTIC and c.inflight_requests > 0]
+            if busy and len(engines) > 1:
+                self.done_steps.add(state.step)
+                return [RoleChange(busy[0].cell, Role.TRAIN, "test: release while decoding")]
+        return self.inner(state)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--policy", choices=["config", "migrate"], default="config")
+    parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--result", default=None, help="rank 0 writes the fleet result here (JSON)")
+    args = parser.parse_args()
+    cfg = load_config(RunDir.at(args.run_dir).config)
+    policy = None
+    if args.policy == "migrate":
+        policy = ReleaseWhileDecoding(policy_from_config(cfg.scheduler))
+    return main_guarded(args.run_dir, RLFleetOptions(policy=policy, verify_weights=args.verify,
+                                                       result_path=args.result))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The RL parts that run without MPI: streaming gradient exactness, dealing, trainer state,
+the router-backed harness client under a drain, run sampling, progress reading."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.cells.router import InProcessEngines, Router
+from gyre_hpc.config import ConfigError, build_config
+from gyre_hpc.harness.loop import AgentRun, HarnessConfig
+from gyre_hpc.harness.tasks import Task, TaskTest, load_suite
+from gyre_hpc.models.tiny_lm import build_model
+from gyre_hpc.rl.batches import ReplicaSpeeds, group_micro_batches, pick_replica
+from gyre_hpc.rl.controller import sample_runs
+from gyre_hpc.rl.fleet import check_rl_config
+from gyre_hpc.rl.progress import read_progress
+from gyre_hpc.rl.router_client import RouterDriver
+from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer, runs_in_step
+from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow, TimelineRow
+from gyre_hpc.trees.builder import build_tree
+from gyre_hpc.trees.loss import StepWeights, packed_loss
+from gyre_hpc.trees.packing import collate, pack
+from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_runs
+
+SMALL = SyntheticConfig(n_calls=10, system_tokens=6, output_tokens=(1, 10), tool_tokens=(2, 10), context_limit=90,
+                        summary_tokens=(3, 6), n_subagents=(1, 2), subagent_calls=(1, 2), subagent_system_tokens=4)
+
+
+def _trees(n_tasks=2, g=3, seed=0):
+    runs = synthetic_runs(n_tasks, g, SMALL, seed=seed)
+    return [build_tree(r.journal, run_id=r.run_id, task_id=r.task_id, reward=r.reward) for r in runs]
+
+
+def _cfg(tmp_path=None, **train):
+    return build_config({"workload": "rl", "train": {"lr": 0.01, "row_tokens": 128, "micro_batch_tokens": 200,
+                                                     **train}})
+
+
+def test_streamed_groups_give_the_full_step_gradient():
+    """Group by group with per-run weights, summed, divided by the step's runs: the loss
+    module's full-batch gradient over every tree of the step, to float64 rounding."""
+    trees = _trees(n_tasks=2, g=3)
+    cfg = _cfg()
+    trainer = RLTrainer(cfg, build_model("tiny", seed=3).double())
+    mbs = []
+    for task in ("task0", "task1"):
+        group = [t for t in trees if t.task_id == task]
+        mbs += group_micro_batches(group, step=1, first_id=len(mbs), row_tokens=128, micro_batch_tokens=200)
+    assert len(mbs) > 2  # really split
+    for mb in mbs[::2]:          # two "replicas" each accumulate their share
+        trainer.train_micro_batch(mb)
+    a = [g.clone() for g in trainer.grad_tensors()]
+    trainer.zero_grads()
+    for mb in mbs[1::2]:
+        trainer.train_micro_batch(mb)
+    streamed = [(x + y) / runs_in_step([int(t.trained.sum()) for t in trees]) for x, y in zip(a, trainer.grad_tensors())]
+
+    ref = build_model("tiny", seed=3).double()
+    rows = pack(trees, 128)
+    loss = packed_loss(ref, collate(rows), StepWeights.from_trees(trees), cfg.train.clip_eps, "sdpa")
+    loss.backward()
+    for got, want in zip(streamed, (p.grad for p in ref.parameters())):
+        assert torch.linalg.vector_norm(got - want) <= 1e-10 * torch.linalg.vector_norm(want)
+
+
+def test_micro_batches_cover_each_trained_token_once_within_budget():
+    trees = _trees(n_tasks=1, g=4, seed=1)
+    mbs = group_micro_batches(trees, step=2, first_id=10, row_tokens=128, micro_batch_tokens=150)
+    assert [mb.mb_id for mb in mbs] == list(range(10, 10 + len(mbs)))
+    assert sum(mb.loss_tokens for mb in mbs) == sum(int(t.trained.sum()) for t in trees)
+    assert len(mbs) > 1 and all(mb.tokens <= 150 or len(mb.rows) == 1 for mb in mbs)
+    assert all(mb.step == 2 and mb.advantages.shape == (4,) for mb in mbs)
+
+
+def test_dealing_follows_measured_speed():
+    speeds = ReplicaSpeeds()
+    speeds.record(1, 2000, 1.0)
+    speeds.record(2, 1000, 1.0)
+    held = {1: 0, 2: 0}
+    for _ in range(30):
+        r = pick_replica([1, 2], held, speeds, 100)
+        held[r] += 100
+    assert held == {1: 2000, 2: 1000}
+    assert speeds.rate(7) == 2000   # never measured: as fast as the fastest
+    with pytest.raises(RuntimeError, match="no TRAIN replica"):
+        pick_replica([], {}, speeds, 1)
+
+
+def test_trainer_state_moves_weights_and_optimizer_moments(tmp_path):
+    cfg = _cfg()
+    a, b = RLTrainer(cfg), RLTrainer(cfg.model_copy(update={"seed": 5}))
+    mb = group_micro_batches(_trees(1, 3), 1, 0, 128, 10_000)[0]
+    a.train_micro_batch(mb)
+    a.apply_update(1.0 / 3)
+    names = a.state_dict().keys()
+    assert any(n.startswith("optim.") and n.endswith("exp_avg_sq") for n in names)
+    assert set(names) == set(b.state_dict())
+    # What a flip does: receive the core's dict in place. Then both apply identical updates.
+    with torch.no_grad():
+        for name, t in b.state_dict().items():
+            t.copy_(a.state_dict()[name])
+    for tr in (a, b):
+        tr.train_micro_batch(mb)
+        tr.apply_update(1.0 / 3)
+    for name, t in a.state_dict().items():
+        assert torch.equal(t, b.state_dict()[name]), name
+
+
+def test_checkpoint_is_hf_format_plus_optimizer_and_round_trips(tmp_path):
+    cfg = _cfg()
+    a = RLTrainer(cfg)
+    mb = group_micro_batches(_trees(1, 3), 1, 0, 128, 10_000)[0]
+    a.train_micro_batch(mb)
+    a.apply_update(0.5)
+    a.save(tmp_path / "ck", extra={"step": 1})
+    assert {p.name for p in (tmp_path / "ck").iterdir()} == {"config.json", "model.safetensors", OPTIMIZER_FILE}
+    b = RLTrainer(cfg.model_copy(update={"seed": 9}))
+    b.load(tmp_path / "ck")
+    for name, t in a.state_dict().items():
+        assert torch.equal(t, b.state_dict()[name]), name
+    (tmp_path / "ck" / OPTIMIZER_FILE).unlink()
+    with pytest.raises(Exception, match="optimizer.safetensors is missing"):
+        b.load(tmp_path / "ck")
+
+
+def test_rl_config_refuses_several_ranks_per_cell():
+    with pytest.raises(ConfigError, match="cells.ranks_per_cell=2"):
+        check_rl_config(build_config({"workload": "rl", "cells": {"ranks_per_cell": 2}}))
+
+
+def test_sample_runs_is_a_pure_function_of_config_and_step():
+    cfg = build_config({"seed": 3, "rollout": {"tasks": "builtin", "tasks_per_step": 2, "runs_per_task": 3}})
+    tasks = load_suite("builtin")
+    a, b = sample_runs(tasks, cfg, 4), sample_runs(tasks, cfg, 4)
+    assert [(s.run_id, s.seed, s.task.task_id) for s in a] == [(s.run_id, s.seed, s.task.task_id) for s in b]
+    assert len(a) == 6 and len({s.run_id for s in a}) == 6 and len({s.seed for s in a}) == 6
+    assert {s.run_id for s in a}.isdisjoint(s.run_id for s in sample_runs(tasks, cfg, 5))
+
+
+def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
+    """Concurrent harness runs call two engines through the router; one engine is drained
+    mid-decode: its sequences move with their KV cache and every run finishes, none restarted."""
+    model = build_model("tiny", seed=0)
+    engines = {0: TorchEngine(model, name="e0", seed=1), 1: TorchEngine(build_model("tiny", seed=0), name="e1", seed=2)}
+    transport = InProcessEngines(engines)
+    router = Router(transport, [0, 1])
+    driver = RouterDriver(router)
+    task = Task("t", "say ok", (TaskTest("ok", "assert True"),), max_turns=1)
+    cfg = HarnessConfig(max_new_tokens=40, context_limit=512, run_timeout_s=60)
+    clients = [driver.client(f"r{i}", 100 + i) for i in range(4)]
+
+    async def main():
+        runs = [asyncio.create_task(AgentRun(task, tmp_path / f"w{i}", c, tmp_path / f"j{i}.jsonl", cfg,
+                                             run_id=f"r{i}").run()) for i, c in enumerate(clients)]
+        drained = None
+        while not all(r.done() for r in runs):
+            driver.pump()
+            if drained is None and len(router.inflight(1)) >= 1 and driver.started & set(router.inflight(1)):
+                drained = router.drain(1)
+            await asyncio.sleep(0)
+        return drained, [r.result() for r in runs]
+
+    drained, results = asyncio.run(main())
+    assert drained is not None and len(drained.moved) >= 1
+    assert sum(c.migrations for c in clients) == len(drained.moved)
+    assert all(c.restarts == 0 and c.calls == 1 for c in clients)
+    assert all(r.status == "finished" for r in results)
+    prefilled = sum(e.counters().prefill_tokens for e in engines.values())
+    assert prefilled == driver.prompt_tokens   # no migrated sequence was recomputed
+
+
+def test_progress_reads_steps_roles_and_runs(tmp_path):
+    cfg = build_config({"workload": "rl", "run_dir": str(tmp_path), "train": {"steps": 3}})
+    with MetricsWriter(tmp_path / "metrics.h5") as m:
+        m.add(StepRow(step=1, time=0.0, wall_s=1.0, reward_mean=0.25, loss=0.1))
+        m.add(StepRow(step=2, time=1.0, wall_s=1.0, reward_mean=0.5, loss=0.05))
+        m.add(TimelineRow(time=0.5, cell=2, role="TRAIN", event="flip_end"))
+        m.add(RunRow(time=1.0, step=2, run_id="s2", task_id="t", status="finished", reward=0.5, migrations=3))
+    p = read_progress(tmp_path / "metrics.h5", cfg)
+    assert (p.step, p.reward, p.flips, p.migrations, p.restarts) == (2, [0.25, 0.5], 1, 3, 0)
+    assert p.roles == {0: "TRAIN", 1: "ROLLOUT", 2: "TRAIN"}
