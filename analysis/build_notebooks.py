@@ -22,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: figures are written as PNG files
 import matplotlib.pyplot as plt
 import numpy as np
-from gyre_hpc.rundir.load import open_run, open_runs, role_intervals, time_fractions, tree_savings
+from gyre_hpc.rundir.load import open_run, open_runs, role_intervals, run_span, time_fractions, tree_savings
 
 SAMPLE = pathlib.Path(os.environ.get("GYRE_SAMPLE", "../runs/analysis-sample"))
 if not any(os.environ.get(k) for k in ("GYRE_RUNS", "GYRE_TREES_RUN", "GYRE_SWEEP")) and not SAMPLE.exists():
@@ -45,16 +45,17 @@ runs = open_runs(RUNS)
 fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), squeeze=False, sharex=True)
 for ax, (name, run) in zip(axes[:, 0], runs.items()):
     iv = role_intervals(run)
+    t0, _ = run_span(run)  # real runs record epoch times, simulated ones start at 0
     for state, color in COLORS.items():
         sel = iv["state"].values == state
         for c in np.unique(iv["cell"].values[sel]):
             rows = sel & (iv["cell"].values == c)
-            spans = list(zip(iv["start"].values[rows], (iv["end"] - iv["start"]).values[rows]))
+            spans = list(zip(iv["start"].values[rows] - t0, (iv["end"] - iv["start"]).values[rows]))
             ax.broken_barh(spans, (c - 0.4, 0.8), color=color)
-    for t in run.events["time"].values[run.events["event"].values == "step_done"]:
-        ax.axvline(t, color="k", lw=0.5, ls=":")
+    for t in run.steps["time"].values:
+        ax.axvline(t - t0, color="k", lw=0.5, ls=":")
     ax.set_ylabel(f"{name}\\ncell")
-axes[-1, 0].set_xlabel("time (s)")
+axes[-1, 0].set_xlabel("time since start (s)")
 fig.tight_layout()
 fig.savefig(FIGURES / "gantt.png", dpi=80)
 print({name: int(run.timeline.sizes["row"]) for name, run in runs.items()})'''),

@@ -5,9 +5,9 @@ Every ``metrics.h5`` table becomes a Dataset on one dimension (``step`` for step
 store so only committed trees are seen, even on a live run. Reads use SWMR, so a notebook
 can follow a run that is still writing.
 
-The timeline convention both writers follow: a row marks the state a cell *enters* at
-``time`` (ROLLOUT, TRAIN, SWITCH); a cell keeps it until its next row; ``end`` rows close
-the run. The engines table samples every cell: ``tokens_per_s > 0`` or ``inflight > 0``
+The timeline: a row marks the state a cell *enters* at ``time`` (ROLLOUT, TRAIN, SWITCH,
+or a flip row: ``flip_start`` enters the switch, ``flip_end`` its target role); a cell keeps
+it until its next row; ``end`` rows close the run (see ``role_intervals``). The engines table samples every cell: ``tokens_per_s > 0`` or ``inflight > 0``
 (requests decoding, or a replica's micro-batch / optimizer step in hand) means it was working.
 """
 from __future__ import annotations
@@ -119,21 +119,67 @@ def open_runs(parent: str | Path) -> dict[str, Run]:
     return runs
 
 
+_SWITCH_EVENTS = ("switch", "flip_start")
+
+
+def run_span(run: Run) -> tuple[float, float]:
+    """First and last time anything was recorded (simulated runs start at 0, real ones at
+    an epoch time); what a notebook subtracts to plot time since the start."""
+    times = [run.timeline["time"].values, run.events["time"].values, run.steps["time"].values,
+             run.steps["time"].values - run.steps["wall_s"].values]
+    times = np.concatenate([t for t in times if t.size]) if any(t.size for t in times) else np.zeros(1)
+    return float(times.min()), float(times.max())
+
+
+def _initial_roles(run: Run) -> dict[int, str]:
+    """Each cell's role when the fleet starts, from the run's config.yaml (core and
+    cells.initial_train train, the rest roll out); empty when there is no readable config."""
+    from gyre_hpc.config import ConfigError, load_config
+    path = RunDir.at(run.root).config
+    if not path.is_file():
+        return {}
+    try:
+        plan = load_config(path).cells
+    except ConfigError:
+        return {}
+    train = {plan.core, *(plan.initial_train or [])}
+    return {c: "TRAIN" if c in train else "ROLLOUT" for c in range(plan.count)}
+
+
 def role_intervals(run: Run) -> xr.Dataset:
-    """The timeline as intervals on dim ``interval``: cell, state, start, end."""
+    """The timeline as intervals on dim ``interval``: cell, state, start, end.
+
+    Reads both ways a timeline is written: rows that name the state entered (``start``,
+    ``switch`` with role SWITCH, ``role``, ``end``: the simulator) and flip rows whose role
+    is the target (``flip_start`` = the switch begins, ``flip_end`` = the new role: the fleet
+    controller). Before a cell's first row it holds its initial role: from ``config.yaml``
+    where the run has one, else the opposite of its first flip's target.
+    """
     tl = run.timeline
     time, cell, role, event = (tl[k].values for k in ("time", "cell", "role", "event"))
-    end_time = float(time.max()) if time.size else 0.0
+    t0, t_end = run_span(run)
+    initial = _initial_roles(run)
     cells, states, starts, ends = [], [], [], []
-    for c in np.unique(cell):
+
+    def add(c: int, state: str, a: float, b: float) -> None:
+        if b > a:
+            cells.append(int(c)); states.append(state); starts.append(float(a)); ends.append(float(b))
+
+    for c in sorted(set(np.unique(cell).tolist()) | set(initial)):
         idx = np.flatnonzero(cell == c)
         idx = idx[np.argsort(time[idx], kind="stable")]
+        if not idx.size or (event[idx[0]] != "start" and time[idx[0]] > t0):
+            first = initial.get(c)
+            if first is None and idx.size and role[idx[0]] in ("ROLLOUT", "TRAIN"):
+                first = "TRAIN" if role[idx[0]] == "ROLLOUT" else "ROLLOUT"
+            if first is not None:
+                add(c, first, t0, time[idx[0]] if idx.size else t_end)
         for i, j in zip(idx, list(idx[1:]) + [None]):
-            if event[i] == "end" or role[i] not in STATES:
+            if event[i] == "end":
                 continue
-            stop = time[j] if j is not None else end_time
-            if stop > time[i]:
-                cells.append(int(c)); states.append(str(role[i])); starts.append(float(time[i])); ends.append(float(stop))
+            state = "SWITCH" if event[i] in _SWITCH_EVENTS else str(role[i])
+            if state in STATES:
+                add(c, state, time[i], time[j] if j is not None else t_end)
     return xr.Dataset({"cell": ("interval", np.array(cells, dtype=int)),
                        "state": ("interval", np.array(states, dtype=object)),
                        "start": ("interval", np.array(starts)), "end": ("interval", np.array(ends))})

@@ -596,6 +596,7 @@ class FleetSim:
             c.acc[c.cat] += self.now - c.since
             c.since = self.now
             self.timeline.append(TimelineRow(self.now, c.id, c.role.value, "end", self.version))
+        self.event_rows.append(EventRow(self.now, "finish", self.version - 1, f"simulated, policy {self.name}"))
         total = sum(sum(c.acc) for c in self.cells)
         acc = [sum(c.acc[k] for c in self.cells) for k in range(5)]
         busy = {"rollout": acc[ROLLOUT_BUSY] / total, "train": acc[TRAIN_BUSY] / total,

@@ -112,3 +112,28 @@ def test_tree_savings_counts_each_calls_full_context(tmp_path):
     assert int(sav["tree_tokens"][0]) == 10               # every distinct token once
     assert int(sav["unpacked_tokens"][0]) == 6 + 10        # each call as its own sequence
     assert float(sav["savings"][0]) == pytest.approx(1.6)
+
+
+def test_controller_style_flip_rows_and_config_give_every_cell_its_whole_history(tmp_path):
+    # The fleet controller writes flip_start/flip_end rows naming the target role, and no
+    # start rows; initial roles come from config.yaml (core 0 trains, the rest roll out).
+    from gyre_hpc.config import build_config
+    from gyre_hpc.rundir.metrics import EventRow
+    from gyre_hpc.rundir.load import run_span
+    (tmp_path / "config.yaml").write_text(build_config({"cells": {"count": 3}}).to_yaml())
+    with MetricsWriter(tmp_path / "metrics.h5") as mw:
+        mw.append([TimelineRow(1000, 1, "TRAIN", "flip_start"), TimelineRow(1002, 1, "TRAIN", "flip_end", duration_s=2),
+                   TimelineRow(1050, 1, "ROLLOUT", "flip_start"), TimelineRow(1051, 1, "ROLLOUT", "flip_end")])
+        mw.add(EventRow(990, "launch"))
+        mw.add(StepRow(step=0, time=1100, wall_s=110))
+    run = open_run(tmp_path)
+    assert run_span(run) == (990.0, 1100.0)
+    iv = role_intervals(run)
+    got = sorted(zip(iv["cell"].values.tolist(), iv["state"].values.tolist(), iv["start"].values.tolist(),
+                     iv["end"].values.tolist()))
+    assert got == [(0, "TRAIN", 990, 1100),
+                   (1, "ROLLOUT", 990, 1000), (1, "ROLLOUT", 1051, 1100), (1, "SWITCH", 1000, 1002),
+                   (1, "SWITCH", 1050, 1051), (1, "TRAIN", 1002, 1050),
+                   (2, "ROLLOUT", 990, 1100)]
+    f = time_fractions(run)
+    assert f["switch"] == pytest.approx(3 / 330) and f["train"] == pytest.approx((110 + 48) / 330)

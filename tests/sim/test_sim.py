@@ -124,6 +124,10 @@ def test_simulated_run_dir_has_the_runtime_schema(tmp_path):
     assert (tl["event"] == "switch").sum() == r.switches
     eng = read_table(rd.metrics, "engines")
     assert set(eng["cell"]) == set(range(TINY.fleet.cells))
+    assert read_table(rd.metrics, "events")["event"][-1] == "finish"
+    from gyre_hpc.config import load_config
+    cfg = load_config(rd.config)  # a valid run config: gyre-hpc inspect reads simulated runs too
+    assert (cfg.cells.count, cfg.scheduler.policy, cfg.train.steps) == (TINY.fleet.cells, "elastic", TINY.steps)
     summary = json.loads((rd.root / "sim.json").read_text())
     assert summary["summary"]["total_s"] == round(r.total_s, 1)
     # a rerun replaces rather than appends
