@@ -202,7 +202,8 @@ def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: b
                 with open(out) as f:
                     result = json.load(f)
             else:
-                why_not = f"mpiexec failed (rc={proc.returncode}): {proc.stderr.strip()[-500:]}"
+                why_not = (f"mpiexec failed (rc={proc.returncode}): "
+                           f"{(proc.stderr.strip() or proc.stdout.strip())[-800:]}")
     if result is None:
         result = measure(ctx, repeats, chunk_bytes)
         if why_not:

@@ -15,7 +15,6 @@ import sys
 import traceback
 
 import torch
-from mpi4py import MPI
 
 from gyre_hpc.cells.engines import Request, SamplingParams
 from gyre_hpc.cells.engines.mpi_engines import MPIEngines, serve_engine
@@ -74,6 +73,10 @@ def controller(comm, prompts, out_path, other_dir) -> None:
 
 
 def main() -> None:
+    # Imported here, not at module level: the test imports ``requests`` from this file, and
+    # initialising MPI inside pytest would leak singleton MPI state into every mpiexec it starts.
+    from mpi4py import MPI
+
     torch.set_num_threads(1)
     model_dir, out_path = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD.Dup()
@@ -92,4 +95,6 @@ if __name__ == "__main__":
     except BaseException:  # one failed rank must not leave the others waiting: abort the world
         traceback.print_exc()
         sys.stderr.flush()
+        from mpi4py import MPI
+
         MPI.COMM_WORLD.Abort(1)

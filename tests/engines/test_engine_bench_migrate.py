@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,8 @@ def test_bad_contexts_are_named():
 def test_mpi_bench_times_the_transfer_between_two_ranks():
     gyre = str(Path(sys.executable).parent / "gyre-hpc")
     proc = subprocess.run([gyre, "bench", "migrate", "--json", "--contexts", "64,512",
-                           "--repeats", "2", "--chunk-bytes", "65536"], capture_output=True, text=True, timeout=300)
+                           "--repeats", "2", "--chunk-bytes", "65536"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ))   # Python's environ: no MPI state another test's MPI_Init set
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["transport"] == "mpi+in-process", result.get("mpi_skipped")
