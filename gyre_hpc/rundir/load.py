@@ -189,8 +189,8 @@ def time_fractions(run: Run) -> dict[str, float]:
     """Share of cell-time spent rolling out, training, switching and idle.
 
     Role time comes exactly from the timeline; the busy/idle split within each role from
-    the engines samples (a sample with tokens/s > 0 or work in flight is busy). Without
-    samples idle is NaN.
+    the engines samples (a sample with tokens/s > 0 or work in flight is busy). A role
+    without samples is counted whole as that role; without any samples idle is NaN.
     """
     iv = role_intervals(run)
     dur = iv["end"].values - iv["start"].values
@@ -208,7 +208,9 @@ def time_fractions(run: Run) -> dict[str, float]:
     idle = 0.0
     for s, key in (("ROLLOUT", "rollout"), ("TRAIN", "train")):
         mask = state_at == s
-        share = busy[mask].mean() if mask.any() else 0.0
+        # A role nobody sampled (the RL controller samples engines only) is not split: its
+        # time counts as that role's, and idle covers only what was sampled.
+        share = busy[mask].mean() if mask.any() else 1.0
         out[key] = role_time[s] * share / total
         idle += role_time[s] * (1 - share) / total
     out["idle"] = idle

@@ -81,6 +81,16 @@ def test_hand_written_run_dir_reads_like_a_real_one(tmp_path):
     assert f["idle"] == pytest.approx(0.45)
 
 
+def test_a_role_without_samples_counts_whole(tmp_path):
+    # The RL controller samples engines only: training time is not split into busy/idle.
+    with MetricsWriter(tmp_path / "metrics.h5") as mw:
+        mw.append([TimelineRow(0, 0, "TRAIN", "start"), TimelineRow(0, 1, "ROLLOUT", "start"),
+                   TimelineRow(10, 0, "TRAIN", "end"), TimelineRow(10, 1, "ROLLOUT", "end"),
+                   EngineRow(1, 1, 30.0), EngineRow(6, 1, 0.0)])
+    f = time_fractions(open_run(tmp_path))
+    assert (f["rollout"], f["train"], f["idle"]) == pytest.approx((0.25, 0.5, 0.25))
+
+
 def test_file_from_before_a_table_existed_opens_with_that_table_empty(tmp_path):
     with MetricsWriter(tmp_path / "metrics.h5") as mw:
         mw.add(TimelineRow(0, 0, "TRAIN", "start"))
