@@ -94,3 +94,16 @@ def test_router_refuses_duplicate_ids_and_routing_with_no_engine(fleet):
     empty = Router(InProcessEngines({}), [])
     with pytest.raises(RuntimeError, match="no ROLLOUT engine"):
         empty.submit(Request("b", prompt(0), greedy(4)))
+
+
+def test_planned_request_that_already_finished_is_reported_gone_not_lost(fleet):
+    engines, router = fleet
+    transport = router.transport
+    engines[0].submit(Request("done", prompt(0), greedy(2)))
+    engines[0].submit(Request("live", prompt(1), greedy(30)))
+    events = engines[0].step() + engines[0].step()
+    assert [e.request_id for e in events if e.finished] == ["done"]
+    result = transport.migrate(0, {"done": 1, "live": 2})
+    assert result.gone == ("done",) and dict(result.moved) == {"live": 2} and result.tokens_at_move == {"live": 2}
+    assert engines[0].pop_output("done").token_ids == tuple(e.token_id for e in events if e.request_id == "done")
+    assert engines[2].request_ids() == ["live"]
