@@ -3,8 +3,8 @@
 Rank 0 submits the requests (least outstanding tokens spreads them over both engines),
 waits until every request has produced a few tokens, drains engine 1 (its sequences move
 to rank 2 with their KV caches, point to point), runs everything to the end and writes
-what the test checks to a JSON file. Then engine 1 goes through the train -> rollout flip
-(sleep, wake, new weights, open) and serves one more request.
+what the test checks to a JSON file. Then engine 1 goes through the rollout -> train -> rollout
+flips (sleep, wake, stop, re-serve, new weights, open) and serves one more request.
 Usage: mpi_migration_program.py MODEL_DIR OUT_JSON OTHER_MODEL_DIR.
 """
 from __future__ import annotations
@@ -51,9 +51,12 @@ def controller(comm, prompts, out_path, other_dir) -> None:
     result = router.drain(1)
     outputs = router.run_until_done()
     after = transport.stats(2)["counters"]
-    # The drained cell trains and comes back: sleep, wake, new weights, open, routed to again.
+    # The drained cell trains and comes back. Over MPI: sleep, wake, stop (its serve loop
+    # returns and the rank is free to train), then the rank re-enters serve_engine and the
+    # controller sends it new weights, opens it and routes to it again.
     transport.call(1, "sleep", 2)
     transport.call(1, "wake")
+    transport.call(1, "stop")
     version = transport.call(1, "load_weights", (load_pretrained(other_dir).state_dict(), 2))
     router.add_engine(1)
     back = Request("back", tuple(prompts[0]), SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=()))
@@ -84,8 +87,11 @@ def main() -> None:
     if comm.Get_rank() == 0:
         controller(comm, prompts, out_path, sys.argv[3])
     else:
-        serve_engine(TorchEngine.from_pretrained(model_dir, name=f"rank{comm.Get_rank()}"), comm, controller=0,
-                     chunk_bytes=4096)  # small chunks: a state crosses as many messages
+        engine = TorchEngine.from_pretrained(model_dir, name=f"rank{comm.Get_rank()}")
+        serve_engine(engine, comm, controller=0, chunk_bytes=4096)  # small chunks: a state crosses as many messages
+        if comm.Get_rank() == 1:
+            # The TRAIN phase would run here; the engine object (asleep, weights dropped) persists.
+            serve_engine(engine, comm, controller=0)
     comm.Barrier()
 
 
