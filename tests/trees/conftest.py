@@ -51,3 +51,28 @@ def _one_thread():
 def make_journal():
     """random_journal as a fixture, so test modules need no import path to this file."""
     return random_journal
+
+
+def coincidence_journal(seed: int, n_calls: int = 25, alphabet: int = 3) -> list[ModelCall]:
+    """Short calls over a 3-token alphabet, each prompt a random prefix of an earlier
+    sequence plus a few random tokens: outputs coincide with other calls' prompt tokens
+    and with each other at the same trie positions all the time."""
+    rng = np.random.default_rng(seed)
+    seqs: list[np.ndarray] = []
+    calls = []
+    for _ in range(n_calls):
+        if seqs and rng.random() < 0.8:
+            base = seqs[rng.integers(len(seqs))]
+            prompt = np.concatenate([base[:rng.integers(1, base.size + 1)], rng.integers(0, alphabet, rng.integers(0, 3))])
+        else:
+            prompt = rng.integers(0, alphabet, rng.integers(1, 4))
+        output = rng.integers(0, alphabet, rng.integers(0, 5))
+        calls.append(ModelCall(prompt.astype(np.int32), output, _lp(output.size, rng),
+                               role=("main", "subagent", "summary")[rng.integers(3)]))
+        seqs.append(np.concatenate([prompt, output]).astype(np.int32))
+    return calls
+
+
+@pytest.fixture
+def make_coincidences():
+    return coincidence_journal

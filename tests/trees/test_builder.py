@@ -137,3 +137,15 @@ def test_bad_input_names_the_call_or_field():
 def test_empty_journal_is_an_empty_tree():
     tree = build_tree([])
     assert tree.n_tokens == 0 and tree.n_nodes == 0 and tree.n_paths == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_coinciding_tokens_on_a_tiny_alphabet(seed, make_coincidences):
+    journal = make_coincidences(seed)
+    tree = build_tree(journal)
+    for i, c in enumerate(journal):
+        np.testing.assert_array_equal(tree.path(i), np.concatenate([c.prompt, c.output]))
+    targets = reference_targets(journal)
+    assert int(tree.trained.sum()) == len(targets)
+    np.testing.assert_allclose(np.sort(tree.logprobs[tree.trained]), np.sort([t.behaviour_logp for t in targets]))
+    assert np.all(tree.logprobs[~tree.trained] == 0)

@@ -143,3 +143,23 @@ def test_clipped_loss_clips_only_in_the_direction_that_helps():
     # ratio 1.5 with A>0 is capped at 1.2; with A<0 the unclipped 1.5 is the pessimistic one;
     # ratio 0.5 with A>0 keeps 0.5; with A<0 is capped at 0.8; 1.1 is inside the range.
     np.testing.assert_allclose(per, [-1.2, 1.5, -0.5, 0.8, -1.1])
+
+
+def test_coinciding_tokens_equal_reference_with_admission_and_tiny_rows(model, make_coincidences):
+    journals = [make_coincidences(200 + i) for i in range(4)]
+    rewards, tasks = [0.0, 1.0, 0.3, 0.9], ["a", "a", "b", "b"]
+    trees = [admit(build_tree(j, task_id=t, reward=r), max_paths=12) for j, t, r in zip(journals, tasks, rewards)]
+    kept = [sorted(set(range(len(j))) - set(t.dropped_calls)) for j, t in zip(journals, trees)]
+    model.zero_grad()
+    ref_loss, _ = reference_loss(model, journals, rewards, tasks, CLIP, kept=kept)
+    ref_loss.backward()
+    ref_grads = _grads(model)
+    longest = max(t.path(c).size for t in trees for c in range(t.n_paths))
+    rows = pack(trees, longest)  # as tight as it gets: many splits
+    weights = StepWeights.from_trees(trees)
+    total = torch.zeros((), dtype=torch.float64)
+    for row in rows:
+        loss = packed_loss(model, collate([row]), weights, CLIP, attention="sdpa")
+        loss.backward()
+        total += loss.detach()
+    _assert_close(total, _grads(model), ref_loss.detach(), ref_grads)
