@@ -202,7 +202,7 @@ def time_fractions(run: Run) -> dict[str, float]:
     if eng.sizes.get("sample", 0) == 0:
         return {"rollout": role_time["ROLLOUT"] / total, "train": role_time["TRAIN"] / total,
                 "switch": role_time["SWITCH"] / total, "idle": float("nan")}
-    state_at = _state_at(iv, eng["cell"].values, eng["time"].values)
+    state_at = state_at(iv, eng["cell"].values, eng["time"].values)
     busy = (eng["tokens_per_s"].values > 0) | (eng["inflight"].values > 0)
     out = {"switch": role_time["SWITCH"] / total}
     idle = 0.0
@@ -217,7 +217,8 @@ def time_fractions(run: Run) -> dict[str, float]:
     return out
 
 
-def _state_at(iv: xr.Dataset, cells: np.ndarray, times: np.ndarray) -> np.ndarray:
+def state_at(iv: xr.Dataset, cells: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """The state (ROLLOUT/TRAIN/SWITCH, "" where unknown) of each (cell, time) pair."""
     out = np.full(len(times), "", dtype=object)
     for c in np.unique(cells):
         sel = np.flatnonzero(iv["cell"].values == c)

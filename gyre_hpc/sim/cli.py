@@ -4,7 +4,9 @@ from __future__ import annotations
 import click
 
 from gyre_hpc.bench import emit
-from gyre_hpc.sim.workload import PRESETS, WorkloadError, load_workload
+from pathlib import Path
+
+from gyre_hpc.sim.workload import PRESETS, WorkloadError, load_workload, override
 
 
 def _set(values: tuple[str, ...]) -> dict:
@@ -33,14 +35,31 @@ def _set(values: tuple[str, ...]) -> dict:
 @click.option("--out", type=click.Path(file_okay=False),
               help="one run directory per policy goes here (metrics.h5 + sim.json); default runs/sim/<workload>")
 @click.option("--no-record", is_flag=True, help="write no run directories")
+@click.option("--measured-from", "measured_from", type=click.Path(file_okay=False),
+              help="a run directory: simulate with the figures it recorded, and compare with it")
+@click.option("--save-workload", type=click.Path(dir_okay=False),
+              help="with --measured-from: write the measured fields as a --workload YAML file")
 @click.option("--sweep", "do_sweep", is_flag=True, help="vary tail, switch cost, cell count, training cost")
 @click.option("--sweep-steps", type=int, default=4, show_default=True, help="RL steps per sweep point")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies: str, out: str | None,
-        no_record: bool, do_sweep: bool, sweep_steps: int, as_json: bool) -> None:
+        no_record: bool, measured_from: str | None, save_workload: str | None, do_sweep: bool, sweep_steps: int,
+        as_json: bool) -> None:
     """Simulate a fleet of cells under each scheduler policy (same runs for each)."""
+    measured = None
     try:
-        w = load_workload(workload_file, preset, _set(sets))
+        w = load_workload(workload_file, preset)
+        if measured_from is not None:
+            from gyre_hpc.sim.measure import measure
+            try:
+                measured = measure(measured_from)
+            except FileNotFoundError as exc:
+                raise click.ClickException(str(exc)) from None
+            w = override(w, measured.overrides)
+            if save_workload:
+                import yaml
+                Path(save_workload).write_text(yaml.safe_dump({"preset": preset, **measured.overrides}, sort_keys=False))
+        w = override(w, _set(sets))
     except WorkloadError as exc:
         raise click.ClickException(str(exc)) from None
     if do_sweep:
@@ -61,6 +80,14 @@ def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies:
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     report["total_h"] = {k: v["total_h"] for k, v in report["policies"].items()}
+    if measured is not None:
+        report["measured"] = measured.overrides
+        report["not_measured"] = measured.not_measured
+        report["real"] = measured.real
+        same = measured.real.get("policy")
+        if same in report["policies"] and measured.real["total_s"] > 0:
+            # The check the e2e comparison is after: the simulator against the run it was fed.
+            report["sim_over_real"] = round(report["policies"][same]["total_s"] / measured.real["total_s"], 3)
     if w.name == "paper" and set(names) == set(POLICIES):
         report["paper_reported_h"] = PAPER_HOURS
     emit(report, as_json)

@@ -21,11 +21,12 @@ def make_sample(out: str | Path, steps: int = 3) -> Path:
     w = dataclasses.replace(preset("tiny"), steps=steps)
     compare(w, out=out / "runs")
     (out / SWEEP_FILE).write_text(json.dumps(sweep(dataclasses.replace(w, steps=2)), indent=2))
-    _synthetic_trees(out / TREES_RUN, steps)
+    write_synthetic_trees(out / TREES_RUN, steps)
     return out
 
 
-def _synthetic_trees(run_dir: Path, steps: int) -> None:
+def write_synthetic_trees(run_dir: Path, steps: int) -> None:
+    """``run_dir/trees.zarr`` holding 4 synthetic runs per step (real builder, real store)."""
     from gyre_hpc.rundir.layout import RunDir
     from gyre_hpc.trees.builder import build_tree
     from gyre_hpc.trees.store import TreeStore

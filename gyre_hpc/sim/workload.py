@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -236,26 +237,25 @@ def override(base: Any, data: dict[str, Any], where: str = "workload") -> Any:
     if not isinstance(data, dict):
         raise WorkloadError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(base)}
+    declared = typing.get_type_hints(type(base))
     changes: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{where}.{key}"
         if key not in fields:
             raise WorkloadError(f"{name}: unknown key; valid keys here: {', '.join(sorted(fields))}")
-        current = getattr(base, key)
+        current, kind = getattr(base, key), declared[key]
         if dataclasses.is_dataclass(current):
             changes[key] = override(current, value, name)
-        elif isinstance(current, bool) or not isinstance(current, (int, float, str)):
-            changes[key] = value
-        elif isinstance(current, str):
-            if not isinstance(value, str):
-                raise WorkloadError(f"{name}: expected a string, got {value!r}")
-            changes[key] = value
-        elif isinstance(current, int) and not isinstance(value, bool) and isinstance(value, int):
-            changes[key] = value
-        elif isinstance(current, float) and not isinstance(value, bool) and isinstance(value, (int, float)):
+        elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             changes[key] = float(value)
+        elif kind is int and isinstance(value, int) and not isinstance(value, bool):
+            changes[key] = value
+        elif kind is str and isinstance(value, str):
+            changes[key] = value
+        elif kind not in (int, float, str):
+            changes[key] = value  # a Literal: its dataclass checks the value and names the choices
         else:
-            raise WorkloadError(f"{name}: expected {type(current).__name__}, got {value!r}")
+            raise WorkloadError(f"{name}: expected {kind.__name__}, got {value!r}")
     try:
         return dataclasses.replace(base, **changes)
     except WorkloadError as exc:
