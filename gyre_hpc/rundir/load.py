@@ -202,12 +202,12 @@ def time_fractions(run: Run) -> dict[str, float]:
     if eng.sizes.get("sample", 0) == 0:
         return {"rollout": role_time["ROLLOUT"] / total, "train": role_time["TRAIN"] / total,
                 "switch": role_time["SWITCH"] / total, "idle": float("nan")}
-    state_at = state_at(iv, eng["cell"].values, eng["time"].values)
+    states = state_at(iv, eng["cell"].values, eng["time"].values)
     busy = (eng["tokens_per_s"].values > 0) | (eng["inflight"].values > 0)
     out = {"switch": role_time["SWITCH"] / total}
     idle = 0.0
     for s, key in (("ROLLOUT", "rollout"), ("TRAIN", "train")):
-        mask = state_at == s
+        mask = states == s
         # A role nobody sampled (the RL controller samples engines only) is not split: its
         # time counts as that role's, and idle covers only what was sampled.
         share = busy[mask].mean() if mask.any() else 1.0
