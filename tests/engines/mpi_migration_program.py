@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from gyre_hpc.cells.engines import Request, SamplingParams
+from gyre_hpc.cells.engines import EngineError, Request, SamplingParams
 from gyre_hpc.cells.engines.mpi_engines import MPIEngines, serve_engine
 from gyre_hpc.cells.engines.torch_engine import TorchEngine
 from gyre_hpc.cells.router import Router
@@ -57,6 +57,12 @@ def controller(comm, prompts, out_path, other_dir) -> None:
     transport.call(1, "sleep", 2)
     transport.call(1, "wake")
     transport.call(1, "stop")
+    try:
+        transport.stats(1)
+        stopped_refused = None
+    except EngineError as exc:
+        stopped_refused = str(exc)
+    transport.resume(1)
     version = transport.call(1, "load_weights", (load_pretrained(other_dir).state_dict(), 2))
     router.add_engine(1)
     back = Request("back", tuple(prompts[0]), SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=()))
@@ -64,7 +70,7 @@ def controller(comm, prompts, out_path, other_dir) -> None:
     outputs += router.run_until_done()
     final = transport.stop()
     json.dump({
-        "routed": routed, "back_engine": back_engine, "loaded_version": version,
+        "routed": routed, "back_engine": back_engine, "loaded_version": version, "stopped_refused": stopped_refused,
         "moved": dict(result.moved), "gone": list(result.gone), "tokens_at_move": dict(result.tokens_at_move),
         "bytes": result.bytes,
         "dest_before": dataclasses.asdict(before), "dest_after": dataclasses.asdict(after),

@@ -49,6 +49,7 @@ def test_migration_across_ranks_continues_exactly_without_prefill(model_dir, oth
     # After the flip back, engine 1 is empty, so least outstanding tokens routes to it, and
     # it decodes with the weights it was sent.
     assert result["back_engine"] == 1 and result["loaded_version"] == 2
+    assert "has stopped serving" in result["stopped_refused"]
     back = result["outputs"]["back"]
     assert back["policy_version"] == 2
     other = TorchEngine.from_pretrained(other_model_dir).generate(

@@ -181,6 +181,7 @@ class MPIEngines:
         self.ranks = dict(ranks)              # engine id -> rank
         self._engine_of = {r: e for e, r in self.ranks.items()}
         self._pending: list[EngineReport] = []
+        self._stopped: set[int] = set()       # engines whose serve loop returned (their cell trains)
         self.poll_timeout_s = poll_timeout_s
 
     def _rank(self, engine: int) -> int:
@@ -189,7 +190,11 @@ class MPIEngines:
         return self.ranks[engine]
 
     def _send(self, engine: int, op: str, payload=None) -> None:
-        self.comm.send((op, payload), dest=self._rank(engine), tag=CMD_TAG)
+        rank = self._rank(engine)
+        if engine in self._stopped:
+            raise EngineError(f"engine {engine} (rank {rank}) has stopped serving; once the rank is back in "
+                              f"serve_engine, resume({engine}) before sending {op!r}")
+        self.comm.send((op, payload), dest=rank, tag=CMD_TAG)
 
     def _receive_one(self, status) -> tuple | None:
         """Take one upward message; events are queued for ``poll``, replies returned as
@@ -229,7 +234,10 @@ class MPIEngines:
     def call(self, engine: int, op: str, payload=None):
         """One command with a reply (stats, load_weights, sleep, wake, open, stop)."""
         self._send(engine, op, payload)
-        return self._await_replies({engine: op})[engine]
+        result = self._await_replies({engine: op})[engine]
+        if op == "stop":
+            self._stopped.add(engine)
+        return result
 
     # -- EngineTransport ---------------------------------------------------------------
     def submit(self, engine: int, request: Request) -> None:
@@ -276,6 +284,11 @@ class MPIEngines:
         return MigrationResult(source, sent["moved"], tuple(sent["gone"]), sent["tokens_at_move"],
                                sent["bytes"], sent["seconds"])
 
+    def resume(self, engine: int) -> None:
+        """Note that a stopped engine's rank is back in ``serve_engine`` (its cell left TRAIN)."""
+        self._rank(engine)
+        self._stopped.discard(engine)
+
     def open(self, engine: int) -> None:
         self.call(engine, "open")
 
@@ -283,7 +296,10 @@ class MPIEngines:
         return self.call(engine, "stats")
 
     def stop(self) -> dict[int, object]:
-        """Stop every engine's serve loop; returns each engine's final counters."""
-        for engine in self.ranks:
+        """Stop every serving engine's loop; returns each one's final counters."""
+        serving = [e for e in self.ranks if e not in self._stopped]
+        for engine in serving:
             self._send(engine, "stop")
-        return self._await_replies({engine: "stop" for engine in self.ranks})
+        result = self._await_replies({engine: "stop" for engine in serving})
+        self._stopped.update(serving)
+        return result
