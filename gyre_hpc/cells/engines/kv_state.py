@@ -22,7 +22,7 @@ pickling megabytes of cache.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -69,7 +69,6 @@ class KVState:
     policy_version: int = 0
     migrations: int = 0
     source: str = ""                 # engine that exported it, for logs
-    extra: dict = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
@@ -147,7 +146,6 @@ def to_wire(state: KVState) -> tuple[dict, list[torch.Tensor]]:
         "policy_version": state.policy_version,
         "migrations": state.migrations,
         "source": state.source,
-        "extra": dict(state.extra),
     }
     tensors = [t.contiguous() for kv in state.kv for t in kv]
     return header, tensors
@@ -170,7 +168,6 @@ def from_wire(header: dict, tensors: list[torch.Tensor]) -> KVState:
     state = KVState(
         request=request, layout=KVLayout(**header["layout"]), token_ids=tuple(header["token_ids"]),
         logprobs=tuple(header["logprobs"]), kv=kv, seed=header["seed"], rng_state=header["rng_state"],
-        policy_version=header["policy_version"], migrations=header["migrations"], source=header["source"],
-        extra=dict(header["extra"]))
+        policy_version=header["policy_version"], migrations=header["migrations"], source=header["source"])
     state.check()
     return state
