@@ -91,11 +91,11 @@ class Router:
     def inflight(self, engine: int | None = None) -> list[str]:
         return [rid for rid, t in self._tracked.items() if engine is None or t.engine == engine]
 
-    def choose(self, loads: Mapping[int, int] | None = None) -> int:
+    def choose(self) -> int:
         """The active engine with the least outstanding tokens (ties: fewer requests, lower id)."""
         if not self._active:
             raise RuntimeError("router has no ROLLOUT engine to route to: every engine is drained or none was added")
-        loads = loads if loads is not None else {e: self.outstanding_tokens(e) for e in self._active}
+        loads = {e: self.outstanding_tokens(e) for e in self._active}
         counts = {e: 0 for e in self._active}
         for t in self._tracked.values():
             if t.engine in counts:
