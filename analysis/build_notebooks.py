@@ -25,7 +25,7 @@ import numpy as np
 from gyre_hpc.rundir.load import open_run, open_runs, role_intervals, run_span, time_fractions, tree_savings
 
 SAMPLE = pathlib.Path(os.environ.get("GYRE_SAMPLE", "../runs/analysis-sample"))
-if not any(os.environ.get(k) for k in ("GYRE_RUNS", "GYRE_TREES_RUN", "GYRE_SWEEP")) and not SAMPLE.exists():
+if not all(os.environ.get(k) for k in ("GYRE_RUNS", "GYRE_TREES_RUN", "GYRE_SWEEP")) and not SAMPLE.exists():
     from gyre_hpc.sim.sample import make_sample
     make_sample(SAMPLE)
 RUNS = pathlib.Path(os.environ.get("GYRE_RUNS", SAMPLE / "runs"))
