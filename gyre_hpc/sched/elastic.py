@@ -27,6 +27,10 @@ class ElasticParams:
     # set the step time) are exactly the ones that would pay. The simulator derives it from
     # its throughput curve; a real fleet sets it from the engine benchmark.
     target_requests_per_engine: int = 16
+    # KV-cache tokens one engine holds; when set (> 0), release only while the tokens in
+    # flight fit the remaining engines at `fill` of it, since migrated sequences bring their
+    # KV cache along. 0: engines report no KV capacity, requests are the only measure.
+    kv_tokens_per_engine: int = 0
     # Release only while the remaining engines would be at most this full (of the target):
     # headroom for runs coming back from a tool call, and the gap that stops flapping.
     fill: float = 0.8
@@ -44,6 +48,8 @@ class ElasticParams:
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_tokens_per_engine < 0:
+            raise ValueError(f"elastic kv_tokens_per_engine={self.kv_tokens_per_engine}: must be >= 0 (0 = unchecked)")
         if self.target_requests_per_engine < 1:
             raise ValueError(f"elastic target_requests_per_engine={self.target_requests_per_engine}: must be >= 1")
         if not 0 < self.fill <= 1:
@@ -108,6 +114,8 @@ class ElasticPolicy:
             if state.unfinished_runs > 0 and after < 1:
                 break  # the last engine stays while any run can still call the model
             if demand > p.fill * p.target_requests_per_engine * after:
+                break
+            if p.kv_tokens_per_engine and state.tokens_inflight > p.fill * p.kv_tokens_per_engine * after:
                 break
             picked.append(c)
             engines = after

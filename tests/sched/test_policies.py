@@ -52,6 +52,14 @@ def test_elastic_releases_rollout_cell_when_unfinished_work_fits_remaining_engin
     assert all(c.reason for c in got)
 
 
+def test_elastic_counts_kv_tokens_in_flight_when_engines_report_their_capacity():
+    # 3 requests fit 1 engine by count, but 2500 KV tokens need 2 engines of 2000 (fill 1).
+    kv = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=1.0, kv_tokens_per_engine=2000))
+    s = state("TRRRR", inflight={1: 1, 2: 1, 3: 1, 4: 0}, tokens_inflight=2500, train_backlog_tokens=BIG_BACKLOG)
+    assert len(kv(s)) == 2           # 4 engines -> 2
+    assert len(ELASTIC(s)) == 3      # by requests alone: 4 engines -> 1
+
+
 def test_elastic_keeps_engines_when_unfinished_work_would_not_fit():
     s = state("TRRR", inflight={1: 4, 2: 4, 3: 3}, train_backlog_tokens=BIG_BACKLOG)
     assert ELASTIC(s) == []
