@@ -73,6 +73,11 @@ def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies:
         return
     from gyre_hpc.sim.compare import PAPER_HOURS, POLICIES, compare
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    from gyre_hpc.sched.registry import POLICIES as KNOWN
+    unknown = [n for n in names if n not in KNOWN]
+    if unknown or not names:
+        raise click.BadParameter(f"{', '.join(unknown) or '(none)'}: valid policies are {', '.join(sorted(KNOWN))}",
+                                 param_hint="--policies")
     if out is None and not no_record:
         out = f"runs/sim/{w.name}"
     try:

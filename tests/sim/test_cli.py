@@ -41,6 +41,9 @@ def test_sim_set_and_workload_errors_name_the_field(tmp_path):
     bad.write_text("run:\n  timeout_s: -1\n")
     r = CliRunner().invoke(main, ["sim", "--workload", str(bad)])
     assert r.exit_code != 0 and "run.timeout_s=-1" in r.output and str(bad) in r.output
+    r = CliRunner().invoke(main, ["sim", "--preset", "tiny", "--policies", "elastic,greedy", "--out", str(tmp_path / "o")])
+    assert r.exit_code != 0 and "greedy: valid policies are async, colocate, elastic, scripted" in r.output
+    assert not (tmp_path / "o").exists()  # refused before anything ran
 
 
 def test_sim_sweep_json_has_every_knob_and_says_where_elastic_is_slower():
