@@ -15,12 +15,12 @@ from __future__ import annotations
 import heapq
 import time as wallclock
 from collections import deque
-from dataclasses import dataclass, field
 
 from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Policy, Role, RoleChange
 from gyre_hpc.sim.batch import Batch, sample_batch
+from gyre_hpc.sim.result import SimResult
 from gyre_hpc.sim.workload import Workload
 
 # event kinds
@@ -33,41 +33,6 @@ _EPS = 1e-6
 
 class SimError(RuntimeError):
     """The policy asked for something a fleet cannot do (flip the core cell, ...)."""
-
-
-@dataclass
-class SimResult:
-    policy: str
-    workload: str
-    total_s: float
-    step_s: list[float]
-    busy: dict[str, float]             # fraction of cell-seconds: rollout, train, switch, idle (sums to 1)
-    switches: int
-    runs_finished: int
-    runs_cut: int                      # hit run.timeout_s
-    tokens_trained: float
-    events: int
-    sim_wall_s: float                  # how long the simulation itself took
-    timeline: list[TimelineRow] = field(default_factory=list, repr=False)
-    steps: list[StepRow] = field(default_factory=list, repr=False)
-    engines: list[EngineRow] = field(default_factory=list, repr=False)
-    events_log: list[EventRow] = field(default_factory=list, repr=False)
-    runs: list[RunRow] = field(default_factory=list, repr=False)
-
-    @property
-    def total_h(self) -> float:
-        return self.total_s / 3600.0
-
-    def summary(self) -> dict:
-        return {
-            "policy": self.policy, "workload": self.workload, "total_h": round(self.total_h, 3),
-            "total_s": round(self.total_s, 1),
-            "mean_step_s": round(sum(self.step_s) / len(self.step_s), 1) if self.step_s else 0.0,
-            "busy": {k: round(v, 4) for k, v in self.busy.items()},
-            "switches": self.switches, "runs_finished": self.runs_finished, "runs_cut": self.runs_cut,
-            "tokens_trained": int(self.tokens_trained), "events": self.events,
-            "sim_wall_s": round(self.sim_wall_s, 2),
-        }
 
 
 class _Engine:

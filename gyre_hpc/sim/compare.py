@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from gyre_hpc.sim.cluster import SimResult, policy_for, simulate
+from gyre_hpc.sim.cluster import policy_for, simulate
+from gyre_hpc.sim.result import SimResult
 from gyre_hpc.sim.workload import Workload
 
 POLICIES = ("elastic", "async", "colocate")

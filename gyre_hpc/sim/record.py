@@ -13,7 +13,7 @@ from pathlib import Path
 from gyre_hpc.config import RunConfig, build_config
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter
-from gyre_hpc.sim.cluster import SimResult
+from gyre_hpc.sim.result import SimResult
 from gyre_hpc.sim.workload import Workload, to_dict
 
 SIM_SUMMARY = "sim.json"
