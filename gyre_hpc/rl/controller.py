@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +45,9 @@ from gyre_hpc.cells.plan import Cell, core_cell, train_ranks
 from gyre_hpc.cells.router import Router
 from gyre_hpc.config import RunConfig
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
-from gyre_hpc.harness.tasks import Task, load_suite
+from gyre_hpc.harness.tasks import Task
 from gyre_hpc.rl import messages
+from gyre_hpc.rl.tasks import load_tasks
 from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
 from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
@@ -159,6 +161,8 @@ class RLStepRecord:
     migrations: int
     restarts: int
     flips: int
+    optimizer_s: float = 0.0      # allreduce + optimizer step, as the controller waited for it
+    weight_sync_s: float = 0.0    # new weights into every serving engine
     checksums: dict[int, str] | None = None
 
 
@@ -188,7 +192,7 @@ class RLController:
         self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in cells})
         self.router = Router(self.transport, [c.id for c in cells if c.role is Role.ROLLOUT])
         self.driver = RouterDriver(self.router, temperature=cfg.rollout.temperature)
-        self.tasks = load_suite(cfg.rollout.tasks)
+        self.tasks = load_tasks(cfg.rollout.tasks)
         self.harness_cfg = HarnessConfig.from_rollout(cfg.rollout)
         self.speeds = ReplicaSpeeds()
         self.serving: set[int] = set()
@@ -197,6 +201,7 @@ class RLController:
         self.switch_s = {Role.TRAIN: None, Role.ROLLOUT: None}   # measured flip costs by target role
         self._engine_mark = (time.monotonic(), dict(self.transport.tokens))
         self._engine_rate: dict[int, float] = {}
+        self._trained_in_window: dict[int, int] = {}
 
     @property
     def cells(self) -> tuple[Cell, ...]:
@@ -210,6 +215,7 @@ class RLController:
         for c in self.cells:
             if c.role is Role.ROLLOUT and c.id not in self.serving:
                 self.world.send(messages.Serve(self.policy_version), dest=c.leader, tag=protocol.TAG_COMMAND)
+                self.transport.resume(c.id)
                 self.serving.add(c.id)
 
     def pause_engines(self) -> None:
@@ -288,18 +294,11 @@ class RLController:
             st.done_by.setdefault(rep.rank, []).append(mb)
             st.losses[mb.mb_id] = rep.loss
             self.speeds.record(rep.rank, rep.tokens, rep.seconds)
+            self._trained_in_window[rep.rank] = self._trained_in_window.get(rep.rank, 0) + rep.tokens
 
     # ---- policy --------------------------------------------------------------------------
     def cluster_state(self, st: StepState) -> ClusterState:
-        now = time.monotonic()
-        t0, marks = self._engine_mark
-        if now - t0 >= 1.0:
-            self._engine_rate = {e: (self.transport.tokens[e] - marks.get(e, 0)) / (now - t0) for e in marks}
-            self._engine_mark = (now, dict(self.transport.tokens))
-            self.metrics.append([EngineRow(time=time.time(), cell=e, tokens_per_s=r,
-                                           inflight=len(self.router.inflight(e)),
-                                           tokens_inflight=self.router.outstanding_tokens(e))
-                                 for e, r in self._engine_rate.items() if self.cell(e).role is Role.ROLLOUT])
+        self._sample_cells(st)
         inflight = self.router.inflight()
         queued = sum(1 for rid in inflight if rid not in self.driver.started)
         cells = tuple(CellState(
@@ -317,6 +316,32 @@ class RLController:
                             tokens_inflight=sum(self.router.outstanding_tokens(e) for e in self.router.engines),
                             train_backlog_tokens=st.backlog_tokens(), policy_version=self.policy_version,
                             oldest_rollout_version=self.policy_version, **extra)
+
+    def _sample_cells(self, st: StepState) -> None:
+        """About once a second, one ``engines`` row per cell: an engine's decode tokens/s and
+        requests in flight; a replica's measured training tokens/s while it had work (0 when
+        it had none) and micro-batches in hand. The loader and the simulator's ``measure``
+        read busy fractions and speeds from these rows."""
+        now = time.monotonic()
+        t0, marks = self._engine_mark
+        if now - t0 < 1.0:
+            return
+        self._engine_rate = {e: (self.transport.tokens[e] - marks.get(e, 0)) / (now - t0) for e in marks}
+        self._engine_mark = (now, dict(self.transport.tokens))
+        rows = []
+        for c in self.cells:
+            if c.role is Role.ROLLOUT:
+                rows.append(EngineRow(time=time.time(), cell=c.id, tokens_per_s=self._engine_rate.get(c.id, 0.0),
+                                      inflight=len(self.router.inflight(c.id)),
+                                      tokens_inflight=self.router.outstanding_tokens(c.id)))
+            else:
+                worked = any(self._trained_in_window.get(r, 0) for r in c.ranks) or \
+                    any(st.outstanding.get(r) for r in c.ranks)
+                rate = sum(self.speeds.rate(r) for r in c.ranks) if worked else 0.0
+                rows.append(EngineRow(time=time.time(), cell=c.id, tokens_per_s=rate,
+                                      inflight=sum(len(st.outstanding.get(r, [])) for r in c.ranks)))
+        self._trained_in_window = {}
+        self.metrics.append(rows)
 
     def consult(self, st: StepState) -> list[FlipRecord]:
         changes = [ch for ch in self.policy(self.cluster_state(st)) if self.cell(ch.cell).role is not Role(ch.to)]
@@ -396,17 +421,19 @@ class RLController:
         await asyncio.gather(*tasks)
         # At the step's end the policy sees an empty rollout side and a backlog of 0: e.g.
         # colocate sends its cells back to rollout before the next batch.
-        return self._finish(st, time.perf_counter() - t0)
+        return self._finish(st, t0)
 
     def _pump(self) -> int:
         return self.driver.pump()
 
-    def _finish(self, st: StepState, rollout_s: float) -> RLStepRecord:
+    def _finish(self, st: StepState, t0: float) -> RLStepRecord:
         outs = [st.outcomes[s.run_id] for s in st.specs]
         n_runs = runs_in_step([int(o.tree.trained.sum()) for o in outs])
         ranks = train_ranks(self.cells)
         checksums = None
+        optimizer_s = sync_s = 0.0
         if n_runs:
+            t_opt = time.perf_counter()
             version = self.policy_version + 1
             for r in ranks:
                 self.world.send(messages.Finish(st.step, n_runs, version, self.verify_weights), dest=r,
@@ -417,8 +444,11 @@ class RLController:
                 raise RuntimeError(f"step {st.step}: ranks {bad} reduced over a train_comm that is not the "
                                    f"{len(ranks)} TRAIN ranks {ranks}")
             state = reps[core_cell(self.cells).leader].state
+            t_sync = time.perf_counter()
+            optimizer_s = t_sync - t_opt
             for e in self.router.engines:
                 self.transport.call(e, "load_weights", (state, version))
+            sync_s = time.perf_counter() - t_sync
             self.policy_version = version
             self.fleet.policy_version = version
             if self.verify_weights:
@@ -426,12 +456,13 @@ class RLController:
         self.trained_upto = len(self.store)
         rewards = [o.tree.reward for o in outs]
         loss = sum(st.losses.values()) / n_runs if n_runs else float("nan")
-        rec = RLStepRecord(step=st.step, wall_s=rollout_s, loss=loss, reward_mean=float(np.mean(rewards)),
+        rec = RLStepRecord(step=st.step, wall_s=time.perf_counter() - t0, loss=loss, reward_mean=float(np.mean(rewards)),
                            tokens=sum(mb.loss_tokens for v in st.done_by.values() for mb in v),
                            policy_version=self.policy_version,
                            train_cells=tuple(c.id for c in self.cells if c.role is Role.TRAIN), runs=len(outs),
                            migrations=sum(o.migrations for o in outs), restarts=sum(o.restarts for o in outs),
-                           flips=len(st.flips), checksums=checksums)
+                           flips=len(st.flips), optimizer_s=optimizer_s, weight_sync_s=sync_s,
+                           checksums=checksums)
         now = time.time()
         self.metrics.append([RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
                                     status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
@@ -480,6 +511,10 @@ class RLController:
 
     async def serve_async(self) -> RLFleetResult:
         steps = self.cfg.train.steps
+        # Tools and checkers wait in worker threads (subprocesses, sleeps): one per run, so a
+        # run never queues behind another's tool call (the default pool has cores + 4).
+        runs = self.cfg.rollout.tasks_per_step * self.cfg.rollout.runs_per_task
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * runs + 4))
         self.resume_engines()
         last_saved = self.start_step - 1
         step = self.start_step
