@@ -78,7 +78,8 @@ class CellRank:
         self.cells = new
         self.rank_comms.rederive_train(new)
         source = core_cell(new).leader
-        join_comm = comms.split_join_comm(self.world, source, [c.leader for c in joining])
+        join_comm = comms.create_join_comm(self.world, source, [c.leader for c in joining])
+        t_comm = time.perf_counter()
         received = 0
         me_joining = any(c.id == self.cell.id for c in joining)
         if join_comm is not None:
@@ -97,6 +98,7 @@ class CellRank:
                                      chunk_bytes=self.chunk_bytes)
             if self.rank != self.cell.leader:
                 received = weights.state_bytes(self.workload.state_dict())
+        t_transfer = time.perf_counter()
         was_training = cell_of_rank(old, self.rank).role is Role.TRAIN
         if was_training != (self.cell.role is Role.TRAIN):
             # Joining or leaving mid-step: this rank's partial gradients are not part of the
@@ -107,6 +109,7 @@ class CellRank:
         touched = any(c == self.cell.id for c, _ in cmd.changes) or self.rank == source
         checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums and touched else None
         return protocol.FlipReport(rank=self.rank, cell=self.cell.id, seconds=time.perf_counter() - t0,
+                                   comm_s=t_comm - t0, transfer_s=t_transfer - t_comm,
                                    bytes_in=received, train_members=members, checksum=checksum)
 
     def round(self, cmd: protocol.Round) -> protocol.RoundReport:

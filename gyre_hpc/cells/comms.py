@@ -1,10 +1,14 @@
 """The communicators a fleet rank holds, re-derived from the cell plan after every flip.
 
-Why ``Comm.Split`` over the world rather than ``Spawn`` or a fixed layout: under
+Why carve communicators out of the world rather than ``Spawn`` or a fixed layout: under
 ``srun --mpi=pmix`` the world is fixed per step, so the only way to let cells move between
-roles is to carve new communicators out of the one world. Split is collective over the
-world, so every rank, the controller included, calls each function here at the same point
-of the command loop (the controller passes ``MPI.UNDEFINED`` and gets nothing back).
+roles is to derive new communicators from the one world.
+
+The fixed ones (one per cell, all cells) are made once at start with ``Comm.Split``, which
+every world rank calls. The ones a flip changes (``train_comm``, the weight-transfer comm)
+use ``Comm.Create_group``, collective over the members only: the controller and the cells
+a flip does not concern go on with their work instead of waking for a world-wide collective,
+which on a loaded or oversubscribed node costs more than the flip itself.
 """
 from __future__ import annotations
 
@@ -25,28 +29,53 @@ def split_cell_comm(world: MPI.Intracomm, cells: Iterable[Cell]) -> MPI.Intracom
 
 
 def split_train_comm(world: MPI.Intracomm, cells: Iterable[Cell]) -> MPI.Intracomm | None:
-    """The training communicator: exactly the ranks of TRAIN cells, core cell leader as rank 0."""
+    """The training communicator derived by every world rank at once (fleet start).
+
+    Same members and order as ``create_train_comm``; flips use that one, since it leaves
+    the ranks outside the new communicator alone.
+    """
     order = train_ranks(cells)
     rank = world.Get_rank()
     color = 0 if rank in order else MPI.UNDEFINED
-    key = order.index(rank) if rank in order else 0
-    comm = world.Split(color, key)
+    comm = world.Split(color, order.index(rank) if rank in order else 0)
     return None if comm == MPI.COMM_NULL else comm
 
 
-def split_join_comm(world: MPI.Intracomm, source: int, joiners: Iterable[int]) -> MPI.Intracomm | None:
+TAG_TRAIN_COMM = 101
+TAG_JOIN_COMM = 102
+
+
+def create_comm(world: MPI.Intracomm, members: list[int], tag: int) -> MPI.Intracomm | None:
+    """A communicator of exactly ``members`` in that rank order; only members may call it."""
+    if world.Get_rank() not in members:
+        return None
+    world_group = world.Get_group()
+    group = world_group.Incl(members)
+    try:
+        return world.Create_group(group, tag)
+    finally:
+        group.Free()
+        world_group.Free()
+
+
+def create_train_comm(world: MPI.Intracomm, cells: Iterable[Cell]) -> MPI.Intracomm | None:
+    """The training communicator: exactly the ranks of TRAIN cells, core cell leader as rank 0.
+
+    Every rank of a TRAIN cell must call it; other ranks get None without communicating.
+    """
+    return create_comm(world, train_ranks(cells), TAG_TRAIN_COMM)
+
+
+def create_join_comm(world: MPI.Intracomm, source: int, joiners: Iterable[int]) -> MPI.Intracomm | None:
     """Weight source plus the leaders of cells joining TRAIN; the source is rank 0.
 
     Only joiners receive bytes: cells already training hold the same weights, so sending to
     the whole train_comm would move the state dict again for nothing.
     """
     joiners = sorted(set(joiners) - {source})
-    members = [source] + joiners
-    rank = world.Get_rank()
-    color = 0 if rank in members and joiners else MPI.UNDEFINED
-    key = members.index(rank) if rank in members else 0
-    comm = world.Split(color, key)
-    return None if comm == MPI.COMM_NULL else comm
+    if not joiners:
+        return None
+    return create_comm(world, [source] + joiners, TAG_JOIN_COMM)
 
 
 def split_cells_comm(world: MPI.Intracomm, cells: Iterable[Cell]) -> MPI.Intracomm | None:
@@ -80,5 +109,5 @@ class RankComms:
 
     def rederive_train(self, cells: Iterable[Cell]) -> None:
         free(self.train)
-        self.train = split_train_comm(self.world, cells)
+        self.train = create_train_comm(self.world, cells)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from gyre_hpc.cells import checkpoint, comms, protocol
+from gyre_hpc.cells import checkpoint, protocol
 from gyre_hpc.cells.plan import Cell, cell_of_rank, core_cell, train_ranks, with_roles
 from gyre_hpc.config import RunConfig
 from gyre_hpc.rundir.layout import RunDir
@@ -40,6 +40,8 @@ class FlipRecord:
     end: float
     duration_s: float      # the cell's own measure: command received to ready in the new role
     bytes: int             # weight bytes received by the cell's ranks
+    comm_s: float = 0.0    # of duration_s: communicator re-derivation
+    transfer_s: float = 0.0  # of duration_s: weight transfer
     checksum: str | None = None
     source_checksum: str | None = None
 
@@ -172,11 +174,6 @@ class Controller:
         cmd = protocol.Flip(step=step, changes=tuple((ch.cell, Role(ch.to).value) for ch in changes),
                             checksums=self.verify_weights)
         self.broadcast(cmd)
-        # The controller takes part in the world-wide Splits with no colour.
-        comms.free(comms.split_train_comm(self.world, new))
-        joining = [c.leader for c in new if c.role is Role.TRAIN
-                   and next(o for o in self.cells if o.id == c.id).role is not Role.TRAIN]
-        comms.free(comms.split_join_comm(self.world, core_cell(new).leader, joining))
         replies = self.collect()
         end = time.time()
         self.cells = new
@@ -188,6 +185,7 @@ class Controller:
             reps = [replies[r] for r in cell.ranks]
             rec = FlipRecord(cell=cell.id, to=cell.role.value, step=step, round=round_, start=start, end=end,
                              duration_s=max(r.seconds for r in reps), bytes=sum(r.bytes_in for r in reps),
+                             comm_s=max(r.comm_s for r in reps), transfer_s=max(r.transfer_s for r in reps),
                              checksum=replies[cell.leader].checksum, source_checksum=replies[source].checksum)
             records.append(rec)
         self.metrics.append([TimelineRow(time=end, cell=r.cell, role=r.to, event="flip_end", step=step,

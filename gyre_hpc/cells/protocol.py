@@ -64,7 +64,9 @@ class Stop:
 class FlipReport:
     rank: int
     cell: int
-    seconds: float
+    seconds: float                          # command received -> ready in the new role
+    comm_s: float                           # of which: re-deriving train_comm and the join comm
+    transfer_s: float                       # of which: receiving (or sending) the weights
     bytes_in: int
     train_members: tuple[int, ...] | None   # world ranks of train_comm as this rank sees it
     checksum: str | None = None

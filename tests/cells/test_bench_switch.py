@@ -11,11 +11,11 @@ from gyre_hpc.bench.switch import summarize
 RAW = {
     "raw_send_s": [0.5, 0.4, 0.6], "raw_bytes": 100 << 20, "world_size": 4, "exit_code": 0,
     "flips": [
-        {"to": "TRAIN", "duration_s": 1.0, "bytes": 100 << 20},
-        {"to": "TRAIN", "duration_s": 2.0, "bytes": 100 << 20},
-        {"to": "TRAIN", "duration_s": 4.0, "bytes": 100 << 20},
-        {"to": "ROLLOUT", "duration_s": 0.1, "bytes": 0},
-        {"to": "ROLLOUT", "duration_s": 0.3, "bytes": 0},
+        {"to": "TRAIN", "duration_s": 1.0, "comm_s": 0.5, "transfer_s": 0.5, "bytes": 100 << 20},
+        {"to": "TRAIN", "duration_s": 2.0, "comm_s": 0.4, "transfer_s": 1.0, "bytes": 100 << 20},
+        {"to": "TRAIN", "duration_s": 4.0, "comm_s": 0.1, "transfer_s": 2.0, "bytes": 100 << 20},
+        {"to": "ROLLOUT", "duration_s": 0.1, "comm_s": 0.1, "transfer_s": 0.0, "bytes": 0},
+        {"to": "ROLLOUT", "duration_s": 0.3, "comm_s": 0.3, "transfer_s": 0.0, "bytes": 0},
     ],
 }
 
@@ -25,9 +25,12 @@ def test_summary_takes_medians_and_divides_by_the_baseline():
     assert s["flips"] == {"rollout_to_train": 3, "train_to_rollout": 2}
     assert s["rollout_to_train_s"]["median"] == 2.0
     assert s["train_to_rollout_s"]["median"] == pytest.approx(0.2)
-    assert s["weight_transfer_MBps"]["median"] == 50.0
+    assert s["rollout_to_train_s"]["comm_s_median"] == 0.4
+    assert s["rollout_to_train_s"]["transfer_s_median"] == 1.0
+    assert s["weight_transfer_MBps"]["median"] == 100.0          # 100 MB over the 1.0 s transfer
+    assert s["weight_transfer_MBps"]["whole_flip_median"] == 50.0  # over the whole 2.0 s flip
     assert s["baseline"]["MBps"] == 200.0
-    assert s["ratio"]["transfer_MBps_over_baseline_MBps"] == 0.25
+    assert s["ratio"]["transfer_MBps_over_baseline_MBps"] == 0.5
     assert s["ratio"]["rollout_to_train_s_over_baseline_s"] == 4.0
 
 

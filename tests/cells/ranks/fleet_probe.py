@@ -72,7 +72,12 @@ options = {
 if mode in ("fail", "exit"):
     code = main_guarded(run_dir, options)
     sys.exit(code)
-out = run_fleet(run_dir, options)
+try:
+    out = run_fleet(run_dir, options)
+except BaseException:
+    import traceback
+    traceback.print_exc()
+    MPI.COMM_WORLD.Abort(1)   # a broken rank must end the test run, not hang it
 if isinstance(out, FleetResult):
     with open(out_path, "w") as f:
         json.dump(dataclasses.asdict(out), f, default=str)

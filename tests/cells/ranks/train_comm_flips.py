@@ -1,5 +1,6 @@
-"""Rank program: random role sequences; every rank re-derives train_comm; rank 0 records
-what each rank's train_comm holds next to what the plan says it must hold."""
+"""Rank program: random role sequences; after each, train_comm is re-derived (alternately by
+every world rank with Split, as at fleet start, and by its members only with Create_group, as
+in a flip); rank 0 records what each rank's train_comm holds next to what the plan says."""
 import json
 import random
 import sys
@@ -24,7 +25,7 @@ for i in range(n_flips):
     flips = {c: rng.choice([Role.TRAIN, Role.ROLLOUT]) for c in rng.sample(elastic, rng.randint(1, len(elastic)))}
     cells = with_roles(cells, flips)
     comms.free(train)
-    train = comms.split_train_comm(world, cells)
+    train = comms.split_train_comm(world, cells) if i % 2 else comms.create_train_comm(world, cells)
     seen = comms.world_ranks_of(train, world) if train is not None else None
     # A collective over the new communicator proves it is usable, not only well-formed.
     total = train.allreduce(world.Get_rank()) if train is not None else None
