@@ -134,6 +134,7 @@ class StepState:
     trained_tokens: int = 0
     next_mb: int = 0
     groups_done: set[int] = field(default_factory=set)
+    groups_changed: bool = False
     flips: list[FlipRecord] = field(default_factory=list)
 
     @property
@@ -262,6 +263,7 @@ class RLController:
                                   self.cfg.train.micro_batch_tokens)
         st.next_mb += len(mbs)
         st.pending.extend(mbs)
+        st.groups_changed = True
 
     # ---- replicas ------------------------------------------------------------------------
     def _deal(self, st: StepState) -> None:
@@ -395,9 +397,15 @@ class RLController:
             else:
                 tasks.append(asyncio.create_task(self._agent(spec, st)))
         interval = self.cfg.scheduler.interval_s
+        # One turn of the loop lets every run reach its first model call, so the first
+        # decision of the step sees the new batch queued (e.g. elastic reclaims engines).
+        await asyncio.sleep(0)
         next_consult = 0.0
         exit_at_step = False
         while not (st.runs_done and not st.pending and not any(st.outstanding.values())):
+            if st.groups_changed:
+                st.groups_changed = False
+                next_consult = 0.0     # a group became trainable: the backlog changed
             for t in tasks:
                 if t.done() and t.exception() is not None:
                     raise t.exception()
