@@ -20,7 +20,6 @@ from mpi4py import MPI
 DEFAULT_CHUNK_BYTES = 32 << 20
 # Pieces at least this big are sent in place rather than packed with their neighbours.
 DIRECT_MIN_BYTES = 256 << 10
-TAG_WEIGHTS = 31
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
         direct = [p for p in pieces if p.stop - p.start >= DIRECT_MIN_BYTES or len(pieces) == 1]
         packed = [p for p in pieces if p not in direct]
         for p in direct:
-            _bcast_bytes(comm, views[p.index][p.start:p.stop], root)
+            comm.Bcast([views[p.index][p.start:p.stop], MPI.BYTE], root=root)
         if not packed:
             continue
         size = sum(p.stop - p.start for p in packed)
@@ -139,7 +138,7 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
             for p in packed:
                 buf[pos:pos + p.stop - p.start] = views[p.index][p.start:p.stop]
                 pos += p.stop - p.start
-        _bcast_bytes(comm, buf, root)
+        comm.Bcast([buf, MPI.BYTE], root=root)
         if not is_root:
             pos = 0
             for p in packed:
@@ -154,18 +153,6 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
     out = dict(zip((s.name for s in specs), tensors))
     total = sum(s.nbytes for s in specs)
     return out, TransferStats(bytes=total, chunks=len(chunks), seconds=time.perf_counter() - t0)
-
-
-def _bcast_bytes(comm: MPI.Intracomm, buf: np.ndarray, root: int) -> None:
-    """Bcast, except between two ranks: there a plain Send/Recv skips the collective's
-    segmentation (Open MPI pipelines a Bcast in small segments even for one receiver)."""
-    if comm.Get_size() == 2:
-        if comm.Get_rank() == root:
-            comm.Send([buf, MPI.BYTE], dest=1 - root, tag=TAG_WEIGHTS)
-        else:
-            comm.Recv([buf, MPI.BYTE], source=root, tag=TAG_WEIGHTS)
-        return
-    comm.Bcast([buf, MPI.BYTE], root=root)
 
 
 def _receive_buffers(specs: list[TensorSpec], into: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
