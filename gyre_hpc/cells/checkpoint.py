@@ -65,11 +65,15 @@ def commit(root: Path, step: int, meta: CheckpointMeta, keep: int = 2) -> Path:
             raise CheckpointError(f"checkpoint {tmp}: {name} was not written; refusing to commit")
     _write_atomic(tmp / META_FILE, json.dumps(asdict(meta), indent=2))
     final = root / step_dir_name(step)
-    if final.exists():
-        # The same completed step sealed twice holds the same state; keeping the existing dir
-        # means latest never points at a directory being replaced.
+    current = latest_dir(root)
+    if final.exists() and current is not None and current.resolve() == final.resolve():
+        # Sealed already and named by latest: never replace what latest points at.
         shutil.rmtree(tmp)
     else:
+        # A dir latest does not name is from a writer killed before it repointed latest; the
+        # relaunch reran that step, and its state is the one the fleet now continues from.
+        if final.exists():
+            shutil.rmtree(final)
         os.replace(tmp, final)
     _write_atomic(root / LATEST, step_dir_name(step) + "\n")
     prune(root, keep)

@@ -61,3 +61,16 @@ def test_broken_pointer_and_meta_are_named(tmp_path):
     (d / "meta.json").write_text(json.dumps({"step": 1, "policy_version": 0, "roles": {}}))
     with pytest.raises(ck.CheckpointError, match="model.safetensors is missing"):
         ck.load_state(d)
+
+
+def test_a_step_dir_latest_never_named_is_replaced_by_the_rerun(tmp_path):
+    save(tmp_path, 1)
+    # A writer killed after renaming step 2 into place but before repointing latest.
+    save(tmp_path, 2, value=5.0)
+    (tmp_path / "latest").write_text("step-00000001\n")
+    save(tmp_path, 2, value=7.0)                       # the relaunch reran step 2
+    assert ck.latest_dir(tmp_path).name == "step-00000002"
+    assert torch.equal(ck.load_state(ck.latest_dir(tmp_path))["w"], torch.full((3,), 7.0))
+    # Sealing the step latest already names again keeps what latest points at.
+    save(tmp_path, 2, value=9.0)
+    assert torch.equal(ck.load_state(ck.latest_dir(tmp_path))["w"], torch.full((3,), 7.0))
