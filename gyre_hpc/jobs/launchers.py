@@ -193,11 +193,39 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 class SlurmHandle(FleetHandle):
-    def __init__(self, proc, command, log_path, prefer_job: str | None):
+    """A running srun. Also a watchdog: srun 22.05 can hang (futex wait) after a het step whose
+    tasks all ended, so once the step has left ``scontrol show step`` for ``orphan_grace_s``
+    while srun lives on, srun is killed and the fleet reported dead instead of waited on forever.
+    """
+
+    def __init__(self, proc, command, log_path, prefer_job: str | None, orphan_grace_s: float = 15.0):
         super().__init__(proc, command, log_path)
         self._prefer_job = prefer_job
         self._step_id: str | None = None
         self._host = socket.gethostname()
+        self.orphan_grace_s = orphan_grace_s
+        self._gone_since: float | None = None
+        self._last_check = 0.0
+        self.orphaned = False
+
+    def poll(self) -> int | None:
+        rc = super().poll()
+        if rc is not None or self._step_id is None:
+            return rc
+        now = time.monotonic()
+        if now - self._last_check < 2.0:
+            return None
+        self._last_check = now
+        if find_step(self._host, self.proc.pid, self._prefer_job) is not None:
+            self._gone_since = None
+            return None
+        self._gone_since = self._gone_since or now
+        if now - self._gone_since < self.orphan_grace_s or super().poll() is not None:
+            return super().poll()
+        self.orphaned = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.wait()
 
     @property
     def step_id(self) -> str | None:

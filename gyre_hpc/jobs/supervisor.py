@@ -15,10 +15,13 @@ exit, relaunch, requeue, resume, finish, fail) are written while no fleet runs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,22 +162,27 @@ class Supervisor:
                      f"({len(failures)}/{self.cfg.supervise.max_relaunches})")
 
     def _watch(self, handle: FleetHandle) -> int:
-        announced = False
+        self._record_step(handle)
+        known_step = None
         while True:
             rc = handle.poll()
             if rc is not None:
+                if getattr(handle, "orphaned", False):
+                    self.log(f"srun outlived its step {handle.step_id}; killed it")
                 return rc
-            if not announced and handle.step_id is not None:
-                announced = True
+            if known_step is None and handle.step_id is not None:
+                known_step = handle.step_id
                 self._record_step(handle)
+                self.log(f"fleet is Slurm step {known_step}")
             time.sleep(self.cfg.supervise.poll_s)
 
     def _record_step(self, handle: FleetHandle) -> None:
         """Where the running fleet is: tools (and tests) read this to find the step to act on."""
         info = {"step_id": handle.step_id, "pid": handle.pid, "launch": self.launches, "time": time.time(),
                 "command": handle.command}
-        (self.run.logs / "fleet.json").write_text(json.dumps(info))
-        self.log(f"fleet is Slurm step {handle.step_id}")
+        tmp = self.run.logs / "fleet.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.run.logs / "fleet.json")
 
     def drain(self, reason: str, requeue: bool) -> int | None:
         """Synchronous stop for callers that cannot return to the loop (submitit's checkpoint()).
@@ -223,8 +231,24 @@ class Supervisor:
         return SupervisorResult("failed", 1, self.launches, step, message)
 
     def event(self, name: str, step: int | None, detail: str) -> None:
-        # Only ever called while no fleet runs, so an unclosed file means a killed writer.
-        if recover_unclosed(self.run.metrics):
-            self.log(f"{self.run.metrics.name} was left open by a killed writer; rewrote it, rows kept")
-        with MetricsWriter(self.run.metrics) as metrics:
-            metrics.event(name, -1 if step is None else step, detail)
+        # Signals are held while the file is open: submitit's USR2 handler calls drain(), which
+        # writes an event too, and must not find this process's own writer mid-row.
+        with _signals_held():
+            # Only ever called while no fleet runs, so an unclosed file means a killed writer.
+            if recover_unclosed(self.run.metrics):
+                self.log(f"{self.run.metrics.name} was left open by a killed writer; rewrote it, rows kept")
+            with MetricsWriter(self.run.metrics) as metrics:
+                metrics.event(name, -1 if step is None else step, detail)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGUSR2, signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

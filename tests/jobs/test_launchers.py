@@ -165,3 +165,20 @@ def test_unknown_launcher_lists_the_valid_ones():
 @pytest.mark.slurm
 def test_expand_nodelist_uses_slurm_hostlist_syntax():
     assert expand_nodelist("c[1-3],d7") == ["c1", "c2", "c3", "d7"]
+
+
+@pytest.mark.slurm
+def test_srun_that_outlives_its_step_is_killed_not_waited_on(tmp_path):
+    """Seen here: srun hung in a futex after its het step's tasks were all gone. A process that
+    claims a step Slurm no longer lists stands in for that srun."""
+    from gyre_hpc.jobs.launchers import SlurmHandle
+
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    handle = SlurmHandle(proc, ["srun", "..."], None, prefer_job=None, orphan_grace_s=0.5)
+    handle._step_id = "999999.0"  # known once, now absent from `scontrol show step`
+    deadline = time.monotonic() + 20
+    rc = handle.poll()
+    while rc is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        rc = handle.poll()
+    assert rc == 137 and handle.orphaned

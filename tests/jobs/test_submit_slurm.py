@@ -10,7 +10,7 @@ import pytest
 import gyre_hpc
 from gyre_hpc.config import load_config
 from tests.jobs.slurm_jobs import (REPO, checkpoint_step, events, flips, fleet_step, job_info, release_requeued, steps,
-                                   wait_for, wait_job)
+                                   submitit_result, wait_for, wait_job)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -22,7 +22,7 @@ def _cfg(tmp_path, *overrides):
 def test_submit_runs_the_smoke_fleet_as_a_het_step(tmp_path):
     cfg = _cfg(tmp_path)
     job = gyre_hpc.submit(cfg)
-    result = job.task(0).result()
+    result = submitit_result(job, 300)
     assert result["status"] == "finished" and result["last_step"] == 6, result
     run_dir = tmp_path / "run"
     assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
@@ -53,7 +53,7 @@ def test_submit_usr2_drains_requeues_and_resumes(tmp_path):
     wait_job(job.job_id, 120, until=lambda i: i["Restarts"] == "1" and i["JobState"] == "PENDING")
     saved = checkpoint_step(run_dir)
     release_requeued(job.job_id)
-    result = job.task(0).result()
+    result = submitit_result(job, 300)
     assert result["status"] == "finished" and result["last_step"] == 30, result
     ev = events(run_dir)
     assert [s for e, s, _ in ev if e == "requeue"] == [saved]
