@@ -92,9 +92,11 @@ def summarize(policy: str, got: dict) -> dict:
 
 def simulate(runs: dict[str, dict], summaries: dict[str, dict], interval_s: float) -> dict:
     """The simulator on the measured workload, every policy on the same sampled runs."""
+    from gyre_hpc.rundir.metrics import read_table
+
     try:
         from gyre_hpc.sim.cluster import policy_for, simulate as sim_run
-        from gyre_hpc.sim.measure import measure
+        from gyre_hpc.sim.measure import lognormal_fit, measure
         from gyre_hpc.sim.workload import override, preset
     except ImportError as exc:   # the simulator's measurement is another part's module
         return {"error": f"simulator unavailable: {exc}"}
@@ -112,6 +114,15 @@ def simulate(runs: dict[str, dict], summaries: dict[str, dict], interval_s: floa
         weight_sync_s=statistics.fmean(s["weight_sync_s"] for s in summaries.values()))
     overrides.setdefault("fleet", {}).update(async_train_cells=1)
     overrides["decision_interval_s"] = interval_s
+    # Environment time measured directly: a run's wall time minus the time it waited on model
+    # calls (queueing and decoding included), per call, over every policy's runs.
+    tool = []
+    for r in runs.values():
+        t = read_table(Path(r["run_dir"]) / "metrics.h5", "runs")
+        ok = (t["calls"] > 0) & (t["status"] == "finished")
+        tool += ((t["wall_s"][ok] - t["model_s"][ok]) / t["calls"][ok]).tolist()
+    if tool:
+        overrides.setdefault("run", {})["tool_s"] = lognormal_fit(tool)
     w = override(preset("tiny"), overrides)
     out = {"measured_from": runs["elastic"]["run_dir"], "not_measured": measured["elastic"].not_measured,
            "compared": "mean step time after the first (the simulator models no warm-up)", "policies": {}}

@@ -119,6 +119,7 @@ class RunOutcome:
     migrations: int = 0
     restarts: int = 0
     calls: int = 0
+    model_s: float = 0.0
     from_store: bool = False
 
 
@@ -242,7 +243,8 @@ class RLController:
         tree = build_tree(result.calls, run_id=spec.run_id, task_id=spec.task.task_id, reward=result.reward,
                           status=result.status, policy_version=min(versions) if versions else self.policy_version,
                           wall_s=result.wall_s)
-        self._run_done(st, RunOutcome(spec, tree, client.migrations, client.restarts, client.calls))
+        self._run_done(st, RunOutcome(spec, tree, client.migrations, client.restarts, client.calls,
+                                          client.model_s))
 
     def _run_done(self, st: StepState, outcome: RunOutcome) -> None:
         st.outcomes[outcome.spec.run_id] = outcome
@@ -302,7 +304,8 @@ class RLController:
     def cluster_state(self, st: StepState) -> ClusterState:
         self._sample_cells(st)
         inflight = self.router.inflight()
-        queued = sum(1 for rid in inflight if rid not in self.driver.started)
+        not_prefilled = sum(1 for rid in inflight if rid not in self.driver.started)
+        queued = len(self.driver.queue) + not_prefilled
         cells = tuple(CellState(
             cell=c.id, kind=c.kind, role=c.role,
             inflight_requests=len(self.router.inflight(c.id)) if c.role is Role.ROLLOUT else 0,
@@ -314,7 +317,7 @@ class RLController:
             if self.switch_s[role] is not None:
                 extra[key] = self.switch_s[role]
         return ClusterState(time=time.time(), step=st.step, cells=cells, unfinished_runs=st.unfinished,
-                            queued_requests=queued, inflight_requests=len(inflight),
+                            queued_requests=queued, inflight_requests=len(inflight) - not_prefilled,
                             tokens_inflight=sum(self.router.outstanding_tokens(e) for e in self.router.engines),
                             train_backlog_tokens=st.backlog_tokens(), policy_version=self.policy_version,
                             oldest_rollout_version=self.policy_version, **extra)
@@ -415,6 +418,7 @@ class RLController:
             if now >= next_consult:
                 self.consult(st)
                 next_consult = now + interval
+            events += self.driver.dispatch()
             self._deal(st)
             if self.fleet.exit_requested():
                 exit_at_step = True
@@ -475,7 +479,8 @@ class RLController:
         self.metrics.append([RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
                                     status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
                                     calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
-                                    restarts=o.restarts, policy_version=o.tree.policy_version) for o in outs])
+                                    restarts=o.restarts, policy_version=o.tree.policy_version,
+                                    model_s=o.model_s) for o in outs])
         self.metrics.add(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
                                  replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
                                  policy_version=self.policy_version))

@@ -1,9 +1,9 @@
 """The harness's model client over the router: runs on the controller's event loop call
 engines on other ranks.
 
-``RouterDriver.generate`` submits a request through the ``Router`` (least outstanding
-tokens) and awaits a future; the controller's pump (``pump``) polls the router between
-harness steps and resolves the futures, so MPI is pumped on the loop's thread while tool
+``RouterDriver.generate`` queues a request and awaits a future; the controller routes the
+queue (``dispatch``, least outstanding tokens) right after it has consulted the policy, and
+its pump (``pump``) polls the router between harness steps and resolves the futures, so MPI is pumped on the loop's thread while tool
 calls run in worker threads. Seeds come from ``harness.engine_client.RunClient`` (a hash
 of run seed and prompt), so a replayed or resumed run asks for the same samples.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -33,6 +34,10 @@ class RouterDriver:
         self._ids = itertools.count()
         self.prompt_tokens = 0      # prompt tokens submitted (each must be prefilled exactly once)
         self.started: set[str] = set()   # requests that produced a token (prefilled)
+        # Requests wait here until the next ``dispatch``: the controller asks the policy
+        # first, so a burst of new calls (a batch starting) can bring engines back before
+        # it is routed, instead of all landing on the engines that happen to be open.
+        self.queue: list[Request] = []
 
     def client(self, run_id: str, run_seed: int) -> "CountingRunClient":
         return CountingRunClient(self, run_seed, run_id)
@@ -45,12 +50,20 @@ class RouterDriver:
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         request = Request(rid, tuple(int(t) for t in prompt), params)
-        self.router.submit(request)
+        self.queue.append(request)
         self.prompt_tokens += request.prompt_len
         try:
             return await fut
         finally:
             self._waiting.pop(rid, None)
+
+    def dispatch(self) -> int:
+        """Route every queued request (least outstanding tokens); returns how many."""
+        n = len(self.queue)
+        for request in self.queue:
+            self.router.submit(request)
+        self.queue = []
+        return n
 
     def pump(self) -> int:
         """Poll the engines once; resolve finished requests. Returns token events seen."""
@@ -81,6 +94,7 @@ class CountingRunClient(RunClient):
         self.run_id = run_id
         self.migrations = 0
         self.calls = 0
+        self.model_s = 0.0         # wall time spent waiting on model calls
         self._prompts: Counter = Counter()
 
     @property
@@ -89,7 +103,9 @@ class CountingRunClient(RunClient):
 
     async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
         self._prompts[hash(tuple(prompt))] += 1
+        t0 = time.monotonic()
         out = await self.driver.generate(prompt, max_new_tokens, stop, self.seed_for(prompt), tag=self.run_id)
+        self.model_s += time.monotonic() - t0
         self.calls += 1
         self.migrations += out.migrations
         return Completion(tuple(out.token_ids), tuple(out.logprobs), out.policy_version)

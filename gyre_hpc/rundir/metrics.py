@@ -44,7 +44,7 @@ TABLES: dict[str, list[tuple[str, Any]]] = {
     "runs": [
         ("time", "f8"), ("step", "i4"), ("run_id", _STR), ("task_id", _STR), ("status", _STR),
         ("reward", "f8"), ("wall_s", "f8"), ("calls", "i4"), ("migrations", "i4"), ("restarts", "i4"),
-        ("policy_version", "i4"),
+        ("policy_version", "i4"), ("model_s", "f8"),
     ],
 }
 
@@ -104,6 +104,7 @@ class RunRow:
     migrations: int = 0
     restarts: int = 0
     policy_version: int = 0
+    model_s: float = 0.0       # wall time the run spent waiting on model calls (the rest is tools)
 
 
 _ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", EventRow: "events",

@@ -126,3 +126,36 @@ def test_baselines_run_through_the_same_code(tmp_path, policy):
     else:
         assert flips == []     # a fixed split: the core trains, cells 1 and 2 stay engines
         assert all(s["train_cells"] == [0] for s in result["steps"])
+
+
+def test_stop_request_checkpoints_exits_75_and_the_next_start_finishes_the_run(tmp_path):
+    """What USR2 / SIGTERM become: control/checkpoint-and-exit mid-step, then a new start."""
+    cfg = rl_config(tmp_path, "train.steps=4")
+    run = write_run_dir(cfg)
+
+    def supervisor():
+        return Supervisor(cfg=cfg, run=run, launcher=LocalLauncher(), plan=local_plan(cfg),
+                          argv=program_argv(run), log=lambda m: None)
+
+    first = supervisor()
+
+    def stopper():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            meta = latest_meta(run) if (run.checkpoints / "latest").exists() else None
+            if meta is not None and meta.step >= 1:
+                first.request_stop("test", requeue=False)
+                return
+
+    threading.Thread(target=stopper, daemon=True).start()
+    stopped = first.run_fleet()
+    assert stopped.status == "stopped" and stopped.exit_code == 75, stopped
+    done_before = stopped.last_step
+    assert done_before is not None and done_before < 4
+    finished = supervisor().run_fleet()
+    assert finished.status == "finished", finished
+    ids = store_run_ids(run)
+    assert len(ids) == 4 * 8 and len(set(ids)) == len(ids)
+    steps = read_table(run.metrics, "steps")["step"].tolist()
+    assert sorted(steps) == [1, 2, 3, 4]

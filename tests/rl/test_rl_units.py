@@ -158,6 +158,7 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
                                              run_id=f"r{i}").run()) for i, c in enumerate(clients)]
         drained = None
         while not all(r.done() for r in runs):
+            driver.dispatch()
             driver.pump()
             if drained is None and len(router.inflight(1)) >= 1 and driver.started & set(router.inflight(1)):
                 drained = router.drain(1)
@@ -171,6 +172,28 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
     assert all(r.status == "finished" for r in results)
     prefilled = sum(e.counters().prefill_tokens for e in engines.values())
     assert prefilled == driver.prompt_tokens   # no migrated sequence was recomputed
+
+
+def test_requests_wait_for_dispatch_then_spread_over_engines():
+    """The controller consults the policy between a burst of calls and their routing."""
+    engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
+    router = Router(InProcessEngines(engines), [0])
+    driver = RouterDriver(router)
+
+    async def main():
+        calls = [asyncio.create_task(driver.generate([257, 65 + i], 4, (258,), seed=i)) for i in range(4)]
+        await asyncio.sleep(0)
+        assert len(driver.queue) == 4 and router.unfinished() == 0   # nothing routed yet
+        router.add_engine(1)          # what a reclaim does before the routing
+        assert driver.dispatch() == 4
+        assert {e: len(router.inflight(e)) for e in (0, 1)} == {0: 2, 1: 2}
+        while not all(c.done() for c in calls):
+            driver.pump()
+            await asyncio.sleep(0)
+        return [c.result() for c in calls]
+
+    outs = asyncio.run(main())
+    assert all(1 <= len(o.token_ids) <= 4 for o in outs)
 
 
 def test_progress_reads_steps_roles_and_runs(tmp_path):
