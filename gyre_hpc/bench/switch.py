@@ -198,7 +198,7 @@ def command(as_json: bool, state_mb: float, flips: int, launcher: str, timeout_s
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--ranks":
-        import os
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as the fleet entry does (cells/__main__.py)
+        from gyre_hpc.cells.rank_env import prepare_rank_env
+        prepare_rank_env()   # before MPI and torch start, as the fleet entry does
         sys.exit(ranks_main(sys.argv[2], sys.argv[3]))
     command()

@@ -6,13 +6,12 @@ Exit codes: 0 all ``train.steps`` done; 75 checkpointed and stopped on
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-# Before torch is imported: large CPU tensors on transparent huge pages. MPI moves weights
-# out of and into torch memory; on 4 KB pages a shared-memory transfer ran at ~4.5 GB/s,
-# on huge pages at ~12 GB/s (the speed of a numpy buffer, which numpy madvises itself).
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from gyre_hpc.cells.rank_env import prepare_rank_env
+
+# Before mpi4py and torch are imported: both read these once, at start (see rank_env).
+prepare_rank_env()
 
 from gyre_hpc.cells.fleet import main_guarded  # noqa: E402
 

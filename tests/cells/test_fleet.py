@@ -134,3 +134,38 @@ def test_a_world_that_does_not_fit_the_plan_is_refused_by_name(tmp_path):
     proc = mpiexec(3, ["-m", "gyre_hpc.cells", "--run-dir", str(run)], timeout=90)
     assert proc.returncode != 0
     assert "cells.count=3 x cells.ranks_per_cell=1 + 1 controller needs 4" in proc.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow   # one srun het step
+def test_flips_over_a_slurm_het_step_with_two_ranks_per_cell(tmp_path):
+    import sys
+
+    from gyre_hpc.config import load_config
+    from gyre_hpc.jobs.launchers import SlurmLauncher, expand_nodelist
+    from gyre_hpc.jobs.plan import plan_for_nodes
+    import subprocess
+
+    run = make_run_dir(tmp_path / "run", cells={"count": 3, "ranks_per_cell": 2}, train={"steps": 3})
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, timeout=20).stdout.split()
+    nodes = [n for spec in nodes for n in expand_nodelist(spec)]
+    plan = plan_for_nodes(load_config(run / "config.yaml"), nodes)
+    out = run / "result.json"
+    handle = SlurmLauncher().launch(plan, [sys.executable, PROBE, str(run), str(out), "scripted"],
+                                    log_path=run / "fleet.log", cwd=run)
+    try:
+        rc = handle.wait(240)
+    except subprocess.TimeoutExpired:
+        handle.kill()
+        pytest.fail(f"srun fleet did not finish; log:\n{(run / 'fleet.log').read_text()[-3000:]}")
+    assert rc == 0, (run / "fleet.log").read_text()[-3000:]
+    res = json.loads(out.read_text())
+    assert [s["step"] for s in res["steps"]] == [1, 2, 3]
+    assert len({c.nodes for c in plan.components}) >= 3
+    for f in res["flips"]:
+        assert f["checksum"] == f["source_checksum"]
+        if f["to"] == "TRAIN":
+            assert f["bytes"] >= 2 * 2 * (1 << 20)     # both ranks of the cell got the 2 MB state
+    for s in res["steps"]:
+        core = s["checksums"]["1"]
+        assert all(s["checksums"][str(r)] == core for c in s["train_cells"] for r in (1 + 2 * c, 2 + 2 * c))

@@ -11,7 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-from mpi4py import MPI
+from gyre_hpc.cells.rank_env import prepare_rank_env
+
+prepare_rank_env()   # before MPI starts, like the real entry point
+
+from mpi4py import MPI  # noqa: E402
 
 from gyre_hpc.cells.controller import FleetResult
 from gyre_hpc.cells.fleet import FleetOptions, main_guarded, run_fleet
