@@ -279,13 +279,23 @@ class Controller:
         return final
 
     def stop(self, code: int) -> FleetResult:
+        self.mark_cells("end", self.result.last_completed)
         self.broadcast(protocol.Stop(code))
         self.result.exit_code = code
         return self.result
 
+    def mark_cells(self, event: str, step: int) -> None:
+        """``start``/``end`` timeline rows: each cell's role when this fleet launch begins and
+        ends (the simulator writes the same), so analysis neither guesses the roles a resumed
+        run starts with nor counts the time between launches as any role."""
+        now = time.time()
+        self.metrics.append([TimelineRow(time=now, cell=c.id, role=c.role.value, event=event, step=step,
+                                         detail=c.kind.value) for c in self.cells])
+
     def serve(self) -> FleetResult:
         steps = self.cfg.train.steps
         step = self.start_step
+        self.mark_cells("start", step)
         while step <= steps:
             if self.exit_requested():
                 break

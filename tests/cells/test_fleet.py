@@ -54,6 +54,12 @@ def test_scripted_flips_move_the_core_weights_bit_for_bit_both_ways(tmp_path):
     assert res["train_comm_checks"] == len({(f["step"], f["round"]) for f in flips})
 
     timeline = read_table(run / "metrics.h5", "timeline")
+    events = list(timeline["event"])
+    # start rows (initial roles) first, end rows (final roles) last, one per cell
+    assert events[:3] == ["start"] * 3 and events[-3:] == ["end"] * 3
+    assert list(timeline["role"][:3]) == ["TRAIN", "ROLLOUT", "ROLLOUT"]
+    final = {c: r for c, r in zip(timeline["cell"][-3:], timeline["role"][-3:])}
+    assert sorted(c for c, r in final.items() if r == "TRAIN") == sorted(res["steps"][-1]["train_cells"])
     starts = [i for i, e in enumerate(timeline["event"]) if e == "flip_start"]
     ends = [i for i, e in enumerate(timeline["event"]) if e == "flip_end"]
     assert len(starts) == len(ends) == len(flips)
