@@ -13,7 +13,7 @@ from gyre_hpc.cells.rank_env import prepare_rank_env
 # Before mpi4py and torch are imported: both read these once, at start (see rank_env).
 prepare_rank_env()
 
-from gyre_hpc.cells.fleet import main_guarded  # noqa: E402
+from gyre_hpc.cells.fleet import exit_rank, main_guarded  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if _workload(args.run_dir) == "rl":
         from gyre_hpc.rl.fleet import main_guarded as rl_main_guarded
-        return rl_main_guarded(args.run_dir)
-    return main_guarded(args.run_dir)
+        return exit_rank(rl_main_guarded(args.run_dir))
+    return exit_rank(main_guarded(args.run_dir))
 
 
 def _workload(run_dir: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,3 +132,27 @@ def main_guarded(run_dir: str | Path, options: FleetOptions = FleetOptions(),
         world.Abort(1)
         raise
     return out.exit_code if isinstance(out, FleetResult) else int(out)
+
+
+# How long the controller waits, after MPI_Finalize, before it exits with a non-zero code.
+CONTROLLER_EXIT_GRACE_S = 1.0
+
+
+def exit_rank(code: int, world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
+    """End this rank after a clean stop; returns the exit status the controller should report.
+
+    Why cell ranks leave first and with 0: ``srun --kill-on-bad-exit`` (and mpiexec) end every
+    rank as soon as one exits non-zero, and the launcher then reports the killed ranks' 143
+    instead of 75. So only the controller carries the fleet's code, and it exits after the
+    others: they leave right after ``MPI_Finalize`` (``os._exit``, no interpreter teardown),
+    it waits ``CONTROLLER_EXIT_GRACE_S`` first when the code is not 0.
+    """
+    is_controller = world.Get_rank() == CONTROLLER_RANK
+    MPI.Finalize()
+    if not is_controller:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    if code != 0:
+        time.sleep(CONTROLLER_EXIT_GRACE_S)
+    return code

@@ -18,7 +18,7 @@ prepare_rank_env()   # before MPI starts, like the real entry point
 from mpi4py import MPI  # noqa: E402
 
 from gyre_hpc.cells.controller import FleetResult
-from gyre_hpc.cells.fleet import FleetOptions, main_guarded, run_fleet
+from gyre_hpc.cells.fleet import FleetOptions, exit_rank, main_guarded, run_fleet
 from gyre_hpc.cells.workload import SubstrateWorkload
 from gyre_hpc.sched.state import Role, RoleChange
 
@@ -74,7 +74,7 @@ options = {
 }[mode]
 
 if mode in ("fail", "exit"):
-    code = main_guarded(run_dir, options)
+    code = exit_rank(main_guarded(run_dir, options))
     sys.exit(code)
 try:
     out = run_fleet(run_dir, options)
