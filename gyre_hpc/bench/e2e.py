@@ -37,7 +37,7 @@ def workload_config(run_dir: Path, policy: str, steps: int, seed: int) -> dict:
         "cells": {"count": 3, "ranks_per_cell": 1, "core": 0},
         "scheduler": {"policy": policy, "async_train_cells": 1, "interval_s": 0.25},
         "model": {"preset": "small"},
-        "rollout": {"tasks": "easy-tool", "runs_per_task": 8, "tasks_per_step": 2, "max_new_tokens": 96},
+        "rollout": {"tasks": "easy-tool", "runs_per_task": 8, "tasks_per_step": 2, "max_new_tokens": 48},
         # A small learning rate keeps the policy (and so the workload) steady over the steps.
         "train": {"steps": steps, "lr": 1e-4, "micro_batch_tokens": 1024, "row_tokens": 1024},
     }
@@ -112,7 +112,9 @@ def simulate(runs: dict[str, dict], summaries: dict[str, dict], interval_s: floa
     overrides.setdefault("train", {}).update(
         optimizer_step_s=statistics.fmean(s["optimizer_s"] for s in summaries.values()),
         weight_sync_s=statistics.fmean(s["weight_sync_s"] for s in summaries.values()))
-    overrides.setdefault("fleet", {}).update(async_train_cells=1)
+    # The runtime runs steps one after another (always on-policy, docs/rl.md): the forecast
+    # is for that schedule, so async's split is simulated without batch overlap as well.
+    overrides.setdefault("fleet", {}).update(async_train_cells=1, async_max_staleness=0)
     overrides["decision_interval_s"] = interval_s
     # Environment time measured directly: a run's wall time minus the time it waited on model
     # calls (queueing and decoding included), per call, over every policy's runs.

@@ -204,6 +204,8 @@ class RLController:
         self._engine_mark = (time.monotonic(), dict(self.transport.tokens))
         self._engine_rate: dict[int, float] = {}
         self._trained_in_window: dict[int, int] = {}
+        self._inflight_integral: dict[int, float] = {}   # engine -> sum of requests held x seconds
+        self._last_pump = time.monotonic()
 
     @property
     def cells(self) -> tuple[Cell, ...]:
@@ -336,8 +338,11 @@ class RLController:
         rows = []
         for c in self.cells:
             if c.role is Role.ROLLOUT:
+                # Requests held on average over the same window as the rate, so the pair
+                # (batch, tokens/s) describes one regime (an instantaneous count would not).
+                held = self._inflight_integral.get(c.id, 0.0) / (now - t0)
                 rows.append(EngineRow(time=time.time(), cell=c.id, tokens_per_s=self._engine_rate.get(c.id, 0.0),
-                                      inflight=len(self.router.inflight(c.id)),
+                                      inflight=int(round(held)),
                                       tokens_inflight=self.router.outstanding_tokens(c.id)))
             else:
                 worked = any(self._trained_in_window.get(r, 0) for r in c.ranks) or \
@@ -346,6 +351,7 @@ class RLController:
                 rows.append(EngineRow(time=time.time(), cell=c.id, tokens_per_s=rate,
                                       inflight=sum(len(st.outstanding.get(r, [])) for r in c.ranks)))
         self._trained_in_window = {}
+        self._inflight_integral = {}
         self.metrics.append(rows)
 
     def consult(self, st: StepState) -> list[FlipRecord]:
@@ -400,9 +406,6 @@ class RLController:
             else:
                 tasks.append(asyncio.create_task(self._agent(spec, st)))
         interval = self.cfg.scheduler.interval_s
-        # One turn of the loop lets every run reach its first model call, so the first
-        # decision of the step sees the new batch queued (e.g. elastic reclaims engines).
-        await asyncio.sleep(0)
         next_consult = 0.0
         exit_at_step = False
         while not (st.runs_done and not st.pending and not any(st.outstanding.values())):
@@ -415,7 +418,9 @@ class RLController:
             events = self._pump()
             self._poll_train(st)
             now = time.monotonic()
-            if now >= next_consult:
+            # New calls are routed only after the policy has seen them queued: a burst (a
+            # batch starting) may bring engines back first, and the burst then spreads over them.
+            if now >= next_consult or self.driver.queue:
                 self.consult(st)
                 next_consult = now + interval
             events += self.driver.dispatch()
@@ -436,6 +441,10 @@ class RLController:
         return self._finish(st, t0)
 
     def _pump(self) -> int:
+        now = time.monotonic()
+        dt, self._last_pump = now - self._last_pump, now
+        for e in self.router.engines:
+            self._inflight_integral[e] = self._inflight_integral.get(e, 0.0) + dt * len(self.router.inflight(e))
         return self.driver.pump()
 
     def _finish(self, st: StepState, t0: float) -> RLStepRecord:

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 from gyre_hpc.harness.tasks import Task, TaskTest, load_suite, suite_names
 
-TOOL_MEDIAN_S = 1.0
-TOOL_SIGMA = 0.5
+TOOL_MEDIAN_S = 2.0
+TOOL_SIGMA = 0.6
 
 
 def _tool_test(median_s: float, sigma: float) -> TaskTest:

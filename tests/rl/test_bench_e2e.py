@@ -1,0 +1,44 @@
+"""``gyre-hpc bench e2e`` end to end on a short run: real fleets per policy, then the simulator."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.rl.rl_helpers import REPO, mpi_env
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+
+def test_bench_e2e_reports_each_policy_the_speedup_and_the_forecast(tmp_path):
+    gyre = str(Path(sys.executable).with_name("gyre-hpc"))
+    proc = subprocess.run([gyre, "bench", "e2e", "--json", "--steps", "2", "--policies", "elastic,async",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env=mpi_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["launcher"].startswith("local")
+    assert set(out["policies"]) == {"elastic", "async"}
+    for name, p in out["policies"].items():
+        assert len(p["step_s"]) == 2 and all(s > 0 for s in p["step_s"])
+        assert abs(sum(p["busy"].values()) - 1.0) < 1e-6, p["busy"]
+        assert p["restarts"] == 0
+        assert (tmp_path / name / "trees.zarr").is_dir()
+    assert out["policies"]["async"]["flips"] == 0
+    ratio = out["policies"]["async"]["steady_step_s"] / out["policies"]["elastic"]["steady_step_s"]
+    assert out["speedup"]["elastic_over_async"] == pytest.approx(ratio, rel=1e-2)
+    sim = out["simulator"]
+    assert set(sim["policies"]) == {"elastic", "async"}
+    for p in sim["policies"].values():
+        assert p["predicted_step_s"] > 0 and p["error"] == pytest.approx(
+            abs(p["predicted_step_s"] - p["measured_step_s"]) / p["measured_step_s"], abs=2e-3)
+
+
+def test_bench_e2e_refuses_a_comparison_without_elastic():
+    gyre = str(Path(sys.executable).with_name("gyre-hpc"))
+    proc = subprocess.run([gyre, "bench", "e2e", "--policies", "async,colocate"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode != 0 and "elastic included" in proc.stderr
