@@ -148,7 +148,8 @@ def exit_rank(code: int, world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     it waits ``CONTROLLER_EXIT_GRACE_S`` first when the code is not 0.
     """
     is_controller = world.Get_rank() == CONTROLLER_RANK
-    MPI.Finalize()
+    if not MPI.Is_finalized():
+        MPI.Finalize()
     if not is_controller:
         sys.stdout.flush()
         sys.stderr.flush()
