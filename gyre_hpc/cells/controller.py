@@ -81,6 +81,7 @@ class Controller:
     keep_checkpoints: int = 2
     control_poll_s: float = 0.25
     last_checkpointed: int = -1        # the step the newest checkpoint holds (resume: meta.step)
+    reply_timeout_s: float = 600.0     # a cell rank silent this long is declared stuck
     result: FleetResult = field(init=False)
     _exit_requested: bool = field(default=False, init=False)
     _last_control_check: float = field(default=0.0, init=False)
@@ -90,6 +91,7 @@ class Controller:
     _train_rate: dict[int, float] = field(default_factory=dict, init=False)
     _rollout_rate: dict[int, float] = field(default_factory=dict, init=False)
     _tokens_per_micro_batch: int = field(default=0, init=False)   # backlog estimate, from reports
+    _last_command: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         self.result = FleetResult(exit_code=-1, first_step=self.start_step, last_completed=self.start_step - 1)
@@ -97,14 +99,25 @@ class Controller:
 
     # ---- messaging -------------------------------------------------------------------
     def broadcast(self, cmd) -> None:
+        self._last_command = type(cmd).__name__ + (f" (step {cmd.step})" if hasattr(cmd, "step") else "")
         for r in self.cell_ranks:
             self.world.send(cmd, dest=r, tag=protocol.TAG_COMMAND)
 
     def collect(self) -> dict[int, object]:
-        """One reply from every cell rank, watching the control directory while waiting."""
+        """One reply from every cell rank, watching the control directory while waiting.
+
+        A rank that is alive but never answers (stuck in a collective, a deadlocked workload)
+        would hold the fleet forever without ever failing; past ``reply_timeout_s`` the
+        controller raises, naming the silent ranks, and the fleet aborts for a relaunch.
+        """
         replies: dict[int, object] = {}
         pause = 0.0002
+        deadline = time.monotonic() + self.reply_timeout_s
         while len(replies) < len(self.cell_ranks):
+            if time.monotonic() > deadline:
+                silent = [r for r in self.cell_ranks if r not in replies]
+                raise TimeoutError(f"cell ranks {silent} did not answer {self._last_command} within "
+                                   f"{self.reply_timeout_s:g} s")
             status = MPI.Status()
             if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
                 msg = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)

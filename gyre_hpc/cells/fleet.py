@@ -41,6 +41,7 @@ class FleetOptions:
     policy: Policy | None = None            # None: the one cfg.scheduler names
     verify_weights: bool = False            # report state checksums on flips and steps (tests)
     chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
+    reply_timeout_s: float = 600.0          # a cell rank silent this long fails the fleet
 
 
 def resolve_policy(cfg: RunConfig) -> Policy:
@@ -84,7 +85,8 @@ def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
                           detail=f"from {latest.name}" if latest else "fresh")
             ctl = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
                              start_step=start, policy_version=meta.policy_version if meta else 0,
-                             verify_weights=options.verify_weights, last_checkpointed=meta.step if meta else -1)
+                             verify_weights=options.verify_weights, last_checkpointed=meta.step if meta else -1,
+                             reply_timeout_s=options.reply_timeout_s)
             result = ctl.serve()
             metrics.event("fleet_exit", step=result.last_completed, detail=f"exit {result.exit_code}")
         return result

@@ -110,6 +110,13 @@ def test_an_exception_on_one_rank_ends_the_whole_fleet_and_a_relaunch_runs_each_
     assert [p.name for p in ck.complete_dirs(run / "checkpoints")] == ["step-00000002", "step-00000004"]
 
 
+def test_a_rank_that_stops_answering_fails_the_fleet_instead_of_hanging_it(tmp_path):
+    run = make_run_dir(tmp_path / "run", train={"steps": 4})
+    proc, _ = probe(run, "stall", 4, timeout=90)     # the stalled rank would sleep 120 s
+    assert proc.returncode not in (0, 75)
+    assert "cell ranks [2] did not answer Round (step 2) within 3 s" in proc.stderr
+
+
 @pytest.mark.slow   # three fleet launches
 def test_checkpoint_and_exit_gives_75_then_resume_runs_each_step_once(tmp_path):
     run = make_run_dir(tmp_path / "run", train={"steps": 6})

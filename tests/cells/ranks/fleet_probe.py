@@ -4,7 +4,8 @@ workload; rank 0 dumps the FleetResult as JSON.
 Modes: ``scripted`` (the config's policy); ``midstep`` (cell 1 joins at round 1 of odd
 steps and leaves at round 1 of even steps, so flips land inside steps); ``never`` (no flips:
 the reference for midstep); ``fail`` (rank 2 raises during step 2); ``exit`` (the core
-leader drops control/checkpoint-and-exit during step 2, as the supervisor would).
+leader drops control/checkpoint-and-exit during step 2, as the supervisor would); ``stall``
+(rank 2 sleeps through step 2 without failing; the controller's reply timeout is 3 s).
 """
 import dataclasses
 import json
@@ -42,6 +43,18 @@ class FailingWorkload(SubstrateWorkload):
         return super().train_micro_batch(step, micro_batch)
 
 
+class StallingWorkload(SubstrateWorkload):
+    def __init__(self, cfg, rank):
+        super().__init__(cfg)
+        self.rank = rank
+
+    def rollout(self, step, round_):
+        if step == 2 and self.rank == 2:     # cell 1 rolls out in step 2
+            import time
+            time.sleep(120)        # alive, never answering: only the reply timeout ends this
+        return super().rollout(step, round_)
+
+
 class ExitRequestingWorkload(SubstrateWorkload):
     def __init__(self, cfg, rank):
         super().__init__(cfg)
@@ -71,9 +84,10 @@ options = {
     "never": FleetOptions(verify_weights=True, policy=lambda state: [], chunk_bytes=chunk_bytes),
     "fail": FleetOptions(workload=FailingWorkload),
     "exit": FleetOptions(workload=ExitRequestingWorkload, verify_weights=True),
+    "stall": FleetOptions(workload=StallingWorkload, reply_timeout_s=3.0),
 }[mode]
 
-if mode in ("fail", "exit"):
+if mode in ("fail", "exit", "stall"):
     code = exit_rank(main_guarded(run_dir, options))
     sys.exit(code)
 try:
