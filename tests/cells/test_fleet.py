@@ -114,7 +114,7 @@ def test_a_rank_that_stops_answering_fails_the_fleet_instead_of_hanging_it(tmp_p
     run = make_run_dir(tmp_path / "run", train={"steps": 4})
     proc, _ = probe(run, "stall", 4, timeout=90)     # the stalled rank would sleep 120 s
     assert proc.returncode not in (0, 75)
-    assert "cell ranks [2] did not answer Round (step 2) within 3 s" in proc.stderr
+    assert "cell ranks [2] did not answer Round (step 2) within 8 s" in proc.stderr
 
 
 @pytest.mark.slow   # three fleet launches

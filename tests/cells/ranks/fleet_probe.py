@@ -5,7 +5,7 @@ Modes: ``scripted`` (the config's policy); ``midstep`` (cell 1 joins at round 1 
 steps and leaves at round 1 of even steps, so flips land inside steps); ``never`` (no flips:
 the reference for midstep); ``fail`` (rank 2 raises during step 2); ``exit`` (the core
 leader drops control/checkpoint-and-exit during step 2, as the supervisor would); ``stall``
-(rank 2 sleeps through step 2 without failing; the controller's reply timeout is 3 s).
+(rank 2 sleeps through step 2 without failing; the controller's reply timeout is 8 s).
 """
 import dataclasses
 import json
@@ -84,7 +84,7 @@ options = {
     "never": FleetOptions(verify_weights=True, policy=lambda state: [], chunk_bytes=chunk_bytes),
     "fail": FleetOptions(workload=FailingWorkload),
     "exit": FleetOptions(workload=ExitRequestingWorkload, verify_weights=True),
-    "stall": FleetOptions(workload=StallingWorkload, reply_timeout_s=3.0),
+    "stall": FleetOptions(workload=StallingWorkload, reply_timeout_s=8.0),
 }[mode]
 
 if mode in ("fail", "exit", "stall"):
