@@ -143,14 +143,17 @@ def _fleet_config(state_mb: float, flips: int, launcher: str) -> dict:
             "train": {"steps": flips + 1, "checkpoint_every": flips + 1}}
 
 
-def _slurm_nodes() -> list[str]:
+def usable_slurm_nodes() -> list[str]:
+    """Nodes sinfo reports up (idle, mixed or allocated: srun queues for busy ones); at least 3."""
     out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
     if out.returncode != 0:
         raise click.ClickException(f"sinfo failed ({out.stderr.strip()}); start the cluster: gyre-hpc cluster up")
     nodes = sorted({line.split()[0] for line in out.stdout.splitlines()
-                    if line.split() and line.split()[1].rstrip("*") in ("idle", "mixed", "mix")})
+                    if line.split() and line.split()[1].rstrip("*~#") in ("idle", "mixed", "mix", "allocated", "alloc",
+                                                                         "completing")})
     if len(nodes) < 3:
-        raise click.ClickException(f"--launcher slurm needs >= 3 idle nodes, sinfo shows {nodes}")
+        raise click.ClickException(f"--launcher slurm needs >= 3 nodes that are up, sinfo shows {nodes} "
+                                   f"(all: {out.stdout.split()})")
     return nodes
 
 
@@ -180,7 +183,7 @@ def command(as_json: bool, state_mb: float, flips: int, launcher: str, timeout_s
         if launcher == "local":
             plan, runner = local_plan(cfg), LocalLauncher()
         else:
-            plan, runner = plan_for_nodes(cfg, _slurm_nodes()), SlurmLauncher(mpi=cfg.slurm.mpi)
+            plan, runner = plan_for_nodes(cfg, usable_slurm_nodes()), SlurmLauncher(mpi=cfg.slurm.mpi)
         log = run_dir / "logs" / "bench-switch.log"
         handle = runner.launch(plan, argv, log_path=log, cwd=run_dir)
         try:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from cells_mpi import RANKS, make_run_dir, mpiexec, ok
+from gyre_hpc.bench.switch import usable_slurm_nodes
 from gyre_hpc.cells import checkpoint as ck
 from gyre_hpc.config import load_config
-from gyre_hpc.jobs.launchers import SlurmLauncher, expand_nodelist
+from gyre_hpc.jobs.launchers import SlurmLauncher
 from gyre_hpc.jobs.plan import plan_for_nodes
 from gyre_hpc.rundir.metrics import read_table
 
@@ -158,9 +159,7 @@ def test_a_world_that_does_not_fit_the_plan_is_refused_by_name(tmp_path):
 @pytest.mark.slow   # one srun het step
 def test_flips_over_a_slurm_het_step_with_two_ranks_per_cell(tmp_path):
     run = make_run_dir(tmp_path / "run", cells={"count": 3, "ranks_per_cell": 2}, train={"steps": 3})
-    nodes = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, timeout=20).stdout.split()
-    nodes = [n for spec in nodes for n in expand_nodelist(spec)]
-    plan = plan_for_nodes(load_config(run / "config.yaml"), nodes)
+    plan = plan_for_nodes(load_config(run / "config.yaml"), usable_slurm_nodes())
     out = run / "result.json"
     handle = SlurmLauncher().launch(plan, [sys.executable, PROBE, str(run), str(out), "scripted"],
                                     log_path=run / "fleet.log", cwd=run)
