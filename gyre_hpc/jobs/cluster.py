@@ -131,6 +131,9 @@ def render_slurm_conf(spec: ClusterSpec, host: str) -> str:
         "SlurmUser=root",
         "SlurmdUser=root",
         "AuthType=auth/munge",
+        # Also how long a requeued job waits before it may start again (default 120 s): the
+        # USR2 -> requeue -> resume cycle should not idle for two minutes on a test cluster.
+        "AuthInfo=cred_expire=20",
         "CredType=cred/munge",
         f"StateSaveLocation={d}/ctld",
         f"SlurmdSpoolDir={d}/spool/%n",
@@ -153,7 +156,8 @@ def render_slurm_conf(spec: ClusterSpec, host: str) -> str:
         "ReturnToService=2",
         "MinJobAge=600",
         "KillWait=5",
-        "InactiveLimit=0",
+        # An srun killed outright leaves the allocation it created behind; reap those.
+        "InactiveLimit=120",
         "SlurmdTimeout=300",
         "SlurmctldTimeout=120",
         "PropagateResourceLimits=NONE",
@@ -314,6 +318,16 @@ def up(spec: ClusterSpec, wait_s: float = 60.0) -> UpResult:
                     raise ClusterError(
                         f"a cluster with {current.nodes} nodes is running from {spec.state_dir}; "
                         f"`gyre-hpc cluster down` first to start one with {spec.nodes}")
+                running_conf = spec.state_dir / "slurm.conf"
+                conf = render_slurm_conf(spec, current.host)
+                if running_conf.is_file() and running_conf.read_text() != conf:
+                    # Same nodes, other settings: apply them in place, running jobs keep running.
+                    running_conf.write_text(conf)
+                    install_conf("slurm.conf", conf)
+                    out = subprocess.run([_which("scontrol"), "reconfigure"], capture_output=True, text=True,
+                                         timeout=60)
+                    if out.returncode != 0:
+                        raise ClusterError(f"scontrol reconfigure failed: {out.stderr.strip()}")
                 return UpResult(started=False, nodes=_wait_idle(spec, wait_s, USABLE_STATES), state=current)
             # Partly dead (a daemon crashed, the machine rebooted): stop the survivors, start afresh.
             _stop(current)

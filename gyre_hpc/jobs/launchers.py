@@ -198,7 +198,7 @@ class SlurmHandle(FleetHandle):
     while srun lives on, srun is killed and the fleet reported dead instead of waited on forever.
     """
 
-    def __init__(self, proc, command, log_path, prefer_job: str | None, orphan_grace_s: float = 15.0):
+    def __init__(self, proc, command, log_path, prefer_job: str | None, orphan_grace_s: float = 60.0):
         super().__init__(proc, command, log_path)
         self._prefer_job = prefer_job
         self._step_id: str | None = None
@@ -208,7 +208,19 @@ class SlurmHandle(FleetHandle):
         self._last_check = 0.0
         self.orphaned = False
 
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            rc = self.poll()
+            if rc is not None:
+                return rc
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.command, timeout)
+            time.sleep(0.2)
+
     def poll(self) -> int | None:
+        if self._step_id is None and self.proc.poll() is None:
+            self.step_id  # learn it while the step runs, so a hang after it can be recognised
         rc = super().poll()
         if rc is not None or self._step_id is None:
             return rc
@@ -223,9 +235,15 @@ class SlurmHandle(FleetHandle):
         if now - self._gone_since < self.orphan_grace_s or super().poll() is not None:
             return super().poll()
         self.orphaned = True
+        self._kill_srun()
+        return exit_status(self.proc.wait())
+
+    def _kill_srun(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.wait()
+        if self._prefer_job is None and self._step_id is not None:
+            # srun made this allocation itself (no surrounding job): killed, it cannot release it.
+            subprocess.run(["scancel", self._step_id.split(".")[0]], capture_output=True, timeout=10)
 
     @property
     def step_id(self) -> str | None:
@@ -256,9 +274,8 @@ class SlurmHandle(FleetHandle):
             try:
                 return self.wait(grace_s + 10)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.wait()
+                self._kill_srun()
+        return exit_status(self.proc.wait())
 
 
 class SlurmLauncher(Launcher):

@@ -40,11 +40,6 @@ def wait_job(job_id: str, timeout: float, until=lambda info: info["JobState"] in
     raise AssertionError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s\n{tail}")
 
 
-def release_requeued(job_id: str) -> None:
-    """Slurm holds a requeued batch job ~2 min (EligibleTime); tests need not wait that out."""
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, capture_output=True)
-
-
 def wait_for(predicate, timeout: float, what: str, job_id: str | None = None, log: Path | None = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -116,3 +111,16 @@ def submitit_result(job, timeout: float):
         time.sleep(0.5)
     subprocess.run(["scancel", job.job_id])
     raise AssertionError(f"submitit job {job.job_id} gave no result after {timeout:.0f} s")
+
+
+def evidence(run_dir: Path, lines: int = 15) -> str:
+    """Events plus the tail of every fleet log: what a failed assertion should show."""
+    parts = []
+    try:
+        parts.append("events: " + "; ".join(f"{e}@{s} {d}" for e, s, d in events(run_dir)))
+    except Exception as exc:  # noqa: BLE001 - evidence must not hide the real failure
+        parts.append(f"events unreadable: {exc}")
+    for log in sorted((run_dir / "logs").glob("fleet-*.log")):
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        parts.append(f"--- {log.name}\n{tail}")
+    return "\n".join(parts)
