@@ -31,7 +31,7 @@ from gyre_hpc.config import RunConfig
 from gyre_hpc.jobs.launchers import FleetHandle, Launcher, LaunchError
 from gyre_hpc.jobs.plan import FleetPlan
 from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import MetricsWriter, recover_unclosed
+from gyre_hpc.rundir.metrics import MetricsWriter, read_table, recover_unclosed
 
 EXIT_DONE = 0
 EXIT_CHECKPOINTED = 75
@@ -142,7 +142,8 @@ class Supervisor:
                 return self._fail(str(exc), step)
             self.launches += 1
             self.log(f"{kind} {self.launches}: {' '.join(self.handle.command[:3])} ... (log {log_path})")
-            rc = self._watch(self.handle)
+            launched_at = time.time()
+            rc = self._reconcile_exit(self._watch(self.handle), launched_at)
             step = latest_checkpoint_step(self.run)
             self.event("exit", -1 if step is None else step,
                        f"fleet exit {rc}, step {self.handle.step_id or '-'}")
@@ -175,6 +176,34 @@ class Supervisor:
                 self._record_step(handle)
                 self.log(f"fleet is Slurm step {known_step}")
             time.sleep(self.cfg.supervise.poll_s)
+
+    def _reconcile_exit(self, rc: int, launched_at: float) -> int:
+        """The controller's own word on how the fleet ended, when srun's code garbles it.
+
+        With ``--kill-on-bad-exit`` the first rank to exit 75 makes srun kill the others, and a
+        rank caught in MPI teardown then reports SIGTERM (143): srun's code is the worst task's.
+        The controller records ``fleet_exit`` ("exit N") in metrics.h5 before exiting, so a clean
+        0 or 75 recorded during this launch is what the fleet meant.
+        """
+        if rc in (EXIT_DONE, EXIT_CHECKPOINTED):
+            return rc
+        try:
+            with _signals_held():
+                recover_unclosed(self.run.metrics)
+                ev = read_table(self.run.metrics, "events")
+        except (OSError, KeyError):
+            return rc
+        for t, name, detail in zip(ev["time"][::-1], ev["event"][::-1], ev["detail"][::-1]):
+            if t < launched_at - 5:
+                break
+            if name != "fleet_exit":
+                continue
+            if detail in (f"exit {EXIT_DONE}", f"exit {EXIT_CHECKPOINTED}"):
+                recorded = int(detail.split()[1])
+                self.log(f"srun exited {rc}; the controller recorded {detail}: taking {recorded}")
+                return recorded
+            break
+        return rc
 
     def _record_step(self, handle: FleetHandle) -> None:
         """Where the running fleet is: tools (and tests) read this to find the step to act on."""

@@ -109,3 +109,20 @@ def test_stop_request_checkpoints_the_real_fleet_requeues_and_the_next_start_res
     counts = Counter(steps(sup.run.root))
     assert sorted(counts) == list(range(1, 13)) and set(counts.values()) == {1}
     assert not (sup.run.control / CHECKPOINT_AND_EXIT).exists()
+
+
+def test_controllers_recorded_exit_wins_over_a_garbled_srun_code(tmp_path):
+    from gyre_hpc.rundir.metrics import MetricsWriter
+
+    cfg = build_config({"cells": {"count": 1}})
+    sup = _sup(tmp_path, cfg)
+    sup.run.make()
+    launched = time.time()
+    with MetricsWriter(sup.run.metrics) as w:
+        w.event("fleet_exit", 3, "exit 75")
+    assert sup._reconcile_exit(143, launched - 1) == 75      # this launch's controller said 75
+    assert sup._reconcile_exit(143, launched + 60) == 143    # a record from an earlier launch does not count
+    assert sup._reconcile_exit(0, launched - 1) == 0
+    with MetricsWriter(sup.run.metrics) as w:
+        w.event("fleet_exit", 3, "exit 1")
+    assert sup._reconcile_exit(143, launched - 1) == 143     # a failure stays a failure
