@@ -29,7 +29,9 @@ rolled out again, and runs not in the store resume from their journals.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +62,23 @@ from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.store import TreeStore
 
 OPTIMIZER_FILES = ["model.safetensors", "config.json", "optimizer.safetensors"]
+STEP_ROWS_FILE = "metrics_rows.json"   # the checkpointed step's steps/runs rows
+
+
+def restore_step_rows(directory: Path, metrics_path: Path) -> list:
+    """Rows of the checkpointed step missing from ``metrics.h5`` (a kill between the
+    checkpoint commit and the rows' append); [] when they are there or were never saved."""
+    from gyre_hpc.rundir.metrics import read_table
+
+    path = Path(directory) / STEP_ROWS_FILE
+    if not path.is_file():
+        return []
+    kinds = {"RunRow": RunRow, "StepRow": StepRow}
+    rows = [kinds[kind](**fields) for kind, fields in json.loads(path.read_text())]
+    steps = {r.step for r in rows if isinstance(r, StepRow)}
+    if metrics_path.exists() and steps & set(int(s) for s in read_table(metrics_path, "steps")["step"]):
+        return []
+    return rows
 
 
 class CountingEngines(MPIEngines):
@@ -136,6 +155,7 @@ class StepState:
     next_mb: int = 0
     groups_done: set[int] = field(default_factory=set)
     groups_changed: bool = False
+    start_version: int = 0      # the trainer's newest version when the step's rollouts began
     flips: list[FlipRecord] = field(default_factory=list)
 
     @property
@@ -206,6 +226,7 @@ class RLController:
         self._trained_in_window: dict[int, int] = {}
         self._inflight_integral: dict[int, float] = {}   # engine -> sum of requests held x seconds
         self._last_pump = time.monotonic()
+        self._step_rows: list = []      # the last completed step's metrics rows, written after its checkpoint
 
     @property
     def cells(self) -> tuple[Cell, ...]:
@@ -393,11 +414,7 @@ class RLController:
     # ---- the step ------------------------------------------------------------------------
     async def run_step(self, step: int) -> RLStepRecord | None:
         t0 = time.perf_counter()
-        gate = staleness_bound(self.policy)
-        if step - 1 - self.policy_version > gate:
-            raise RuntimeError(f"step {step}: policy version {self.policy_version} is more than "
-                               f"scheduler.max_staleness={gate} behind")
-        st = StepState(step, self.sample_runs(step))
+        st = StepState(step, self.sample_runs(step), start_version=self.policy_version)
         stored = self.stored_trees(step)
         tasks = []
         for spec in st.specs:
@@ -449,6 +466,14 @@ class RLController:
 
     def _finish(self, st: StepState, t0: float) -> RLStepRecord:
         outs = [st.outcomes[s.run_id] for s in st.specs]
+        # Staleness: every sampled token must come from weights at most max_staleness
+        # versions behind the ones this update starts from (0 here: steps are sequential and
+        # engines get new weights before the next batch; checked, not assumed).
+        gate = staleness_bound(self.policy)
+        stale = [o.spec.run_id for o in outs if o.tree.n_paths and st.start_version - o.tree.policy_version > gate]
+        if stale:
+            raise RuntimeError(f"step {st.step}: runs {stale[:5]} were sampled more than "
+                               f"scheduler.max_staleness={gate} versions behind version {st.start_version}")
         n_runs = runs_in_step([int(o.tree.trained.sum()) for o in outs])
         ranks = train_ranks(self.cells)
         checksums = None
@@ -485,14 +510,14 @@ class RLController:
                            flips=len(st.flips), optimizer_s=optimizer_s, weight_sync_s=sync_s,
                            checksums=checksums)
         now = time.time()
-        self.metrics.append([RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
-                                    status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
-                                    calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
-                                    restarts=o.restarts, policy_version=o.tree.policy_version,
-                                    model_s=o.model_s) for o in outs])
-        self.metrics.add(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
-                                 replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
-                                 policy_version=self.policy_version))
+        self._step_rows = [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
+                                  status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
+                                  calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
+                                  restarts=o.restarts, policy_version=o.tree.policy_version, model_s=o.model_s)
+                           for o in outs]
+        self._step_rows.append(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
+                                       replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
+                                       policy_version=self.policy_version))
         return rec
 
     def _collect(self, ranks: list[int]) -> dict[int, object]:
@@ -512,9 +537,11 @@ class RLController:
         extra = {"step": step, "policy_version": self.policy_version}
         self.world.send(messages.SaveRL(str(staging), extra), dest=core, tag=protocol.TAG_COMMAND)
         self._collect([core])
+        rows = [r for r in self._step_rows if r.step == step]
+        (staging / STEP_ROWS_FILE).write_text(json.dumps([[type(r).__name__, dataclasses.asdict(r)] for r in rows]))
         meta = checkpoint.CheckpointMeta(step=step, policy_version=self.policy_version,
                                          roles={str(c.id): c.role.value for c in self.cells},
-                                         files=list(OPTIMIZER_FILES),
+                                         files=list(OPTIMIZER_FILES) + [STEP_ROWS_FILE],
                                          extra={"trees_committed": len(self.store), "trained_upto": self.trained_upto,
                                                 "workload": "rl"})
         return checkpoint.commit(self.run.checkpoints, step, meta, keep=self.fleet.keep_checkpoints)
@@ -552,6 +579,11 @@ class RLController:
             if step % self.cfg.train.checkpoint_every == 0 or step == steps:
                 self.save_checkpoint(step)
                 last_saved = step
+            # A step's rows are written once its checkpoint is committed, so a fleet killed in
+            # between redoes the step without a second row for it (the checkpoint carries the
+            # rows; a relaunch writes them if the kill came right after the commit).
+            self.metrics.append(self._step_rows)
+            self._step_rows = []
             step += 1
         if self.result.last_completed >= steps:
             return self.stop(EXIT_DONE)

@@ -27,7 +27,7 @@ from gyre_hpc.cells.fleet import resolve_policy
 from gyre_hpc.cells.plan import CONTROLLER_RANK, cell_of_rank, core_cell, plan_cells, world_size
 from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.rl.cell import RLCellRank
-from gyre_hpc.rl.controller import RLController, RLFleetResult
+from gyre_hpc.rl.controller import RLController, RLFleetResult, restore_step_rows
 from gyre_hpc.rl.trainer import RLTrainer
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter
@@ -76,7 +76,9 @@ def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions()
     if rank == CONTROLLER_RANK:
         run.make()
         policy = options.policy or resolve_policy(cfg)
+        missing_rows = restore_step_rows(latest, run.metrics) if latest is not None else []
         with MetricsWriter(run.metrics) as metrics, TreeStore.open(run.trees, "a") as store:
+            metrics.append(missing_rows)
             start = meta.step + 1 if meta else 1
             trained_upto = int(meta.extra.get("trained_upto", 0)) if meta else 0
             if trained_upto > len(store):

@@ -3,6 +3,7 @@ the baselines through the same code. Each starts 4 torch processes on 2 cores: s
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,9 +108,9 @@ def test_killed_fleet_resumes_and_keeps_every_committed_tree_once(tmp_path):
     assert ids[:len(seen["ids"])] == seen["ids"]                  # committed before the kill: kept as they were
     steps = read_table(run.metrics, "steps")["step"].tolist()
     assert sorted(Counter(steps).items()) == [(s, 1) for s in range(1, 5)]   # no step trained twice
-    log = sorted(run.logs.glob("fleet-*-2.log"))[0].read_text()
-    assert f"{len(seen['ids'])} trees stored" in "".join(read_table(run.metrics, "events")["detail"])
-    assert "[rl] step" in log
+    # The relaunch found at least what was seen committed (the kill lands a moment later).
+    resumed = [d for d in read_table(run.metrics, "events")["detail"] if "trees stored" in d]
+    assert len(resumed) == 1 and int(re.search(r"(\d+) trees stored", resumed[0]).group(1)) >= len(seen["ids"])
 
 
 @pytest.mark.parametrize("policy", ["colocate", "async"])

@@ -206,3 +206,22 @@ def test_progress_reads_steps_roles_and_runs(tmp_path):
     p = read_progress(tmp_path / "metrics.h5", cfg)
     assert (p.step, p.reward, p.flips, p.migrations, p.restarts) == (2, [0.25, 0.5], 1, 3, 0)
     assert p.roles == {0: "TRAIN", 1: "ROLLOUT", 2: "TRAIN"}
+
+
+def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
+    import dataclasses
+    import json
+
+    from gyre_hpc.rl.controller import STEP_ROWS_FILE, restore_step_rows
+
+    rows = [RunRow(time=1.0, step=3, run_id="s3", task_id="t", status="finished", reward=0.5),
+            StepRow(step=3, time=1.0, wall_s=2.0, reward_mean=0.5)]
+    (tmp_path / STEP_ROWS_FILE).write_text(json.dumps([[type(r).__name__, dataclasses.asdict(r)] for r in rows]))
+    metrics = tmp_path / "metrics.h5"
+    with MetricsWriter(metrics) as m:
+        m.add(StepRow(step=2, time=0.0, wall_s=1.0))
+    assert restore_step_rows(tmp_path, metrics) == rows          # killed after the commit, before the rows
+    with MetricsWriter(metrics) as m:
+        m.append(rows)
+    assert restore_step_rows(tmp_path, metrics) == []            # already there: never twice
+    assert restore_step_rows(tmp_path / "nothing", metrics) == []
