@@ -69,6 +69,9 @@ def test_too_many_killed_steps_fail_the_job_with_a_clear_message(tmp_path):
     job, run_dir, out = _submit(tmp_path, "train.steps=500", "supervise.max_relaunches=1")
     for launch in (1, 2):
         step_id = wait_for(lambda: fleet_step(run_dir, launch), 120, f"fleet launch {launch}", job, out)
+        # Kill a fleet that is training (a new checkpoint), not one still starting its ranks.
+        before = checkpoint_step(run_dir)
+        wait_for(lambda: checkpoint_step(run_dir) > before, 120, f"a checkpoint from launch {launch}", job, out)
         subprocess.run(["scancel", step_id], check=True)
     info = wait_job(job, 120, log=out)
     assert info["JobState"] == "FAILED", out.read_text()
