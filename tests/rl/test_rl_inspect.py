@@ -1,0 +1,28 @@
+"""``gyre-hpc inspect`` on an rl run dir shows steps with rewards, the tree store, runs' flip effects."""
+from __future__ import annotations
+
+from gyre_hpc.config import build_config
+from gyre_hpc.rundir.inspect import summarize
+from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow
+from gyre_hpc.trees.builder import build_tree
+from gyre_hpc.trees.model import ModelCall
+from gyre_hpc.trees.store import TreeStore
+
+
+def test_inspect_shows_rl_steps_trees_and_runs(tmp_path):
+    run = RunDir.at(tmp_path / "run").make()
+    cfg = build_config({"workload": "rl", "run_dir": str(run.root), "train": {"steps": 2}})
+    run.config.write_text(cfg.to_yaml())
+    with MetricsWriter(run.metrics) as m:
+        m.add(StepRow(step=1, time=1.0, wall_s=2.0, tokens=40, replicas=2, loss=0.1, reward_mean=0.25))
+        m.add(StepRow(step=2, time=3.0, wall_s=2.0, tokens=30, replicas=1, loss=0.2, reward_mean=0.75))
+        m.append([RunRow(time=1.0, step=1, run_id="a", task_id="t", status="finished", reward=0.25, migrations=2),
+                  RunRow(time=3.0, step=2, run_id="b", task_id="t", status="timeout", reward=0.75)])
+    call = ModelCall([257, 1, 2], [3, 4], [-0.5, -0.25])
+    with TreeStore.open(run.trees, "a", fsync=False) as store:
+        store.append([build_tree([call], run_id=r, task_id="t", reward=w) for r, w in (("a", 0.25), ("b", 0.75))])
+    s = summarize(run.root)
+    assert [(x["step"], x["reward_mean"], x["replicas"]) for x in s.steps] == [(1, 0.25, 2), (2, 0.75, 1)]
+    assert s.trees == {"trees": 2, "unique_run_ids": 2, "trained_tokens": 4, "reward_mean": 0.5}
+    assert s.runs == {"runs": 2, "migrations": 2, "restarts": 0, "statuses": {"finished": 1, "timeout": 1}}
