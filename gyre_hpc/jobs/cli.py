@@ -43,9 +43,10 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
             click.echo(f"  {label:<12} {path}")
     click.echo(f"summary: gyre-hpc inspect {run_dir.root}")
     if cfg.workload == "rl":
-        from gyre_hpc.rl.progress import notebooks
-        for nb in notebooks():
-            click.echo(f"notebook: jupyter lab {nb}  (set RUN_DIR={run_dir.root})")
+        from gyre_hpc.rl.progress import notebook_hint
+        hint = notebook_hint(run_dir.root)
+        if hint:
+            click.echo(hint)
     sys.exit(result.exit_code)
 
 

@@ -115,3 +115,13 @@ def notebooks(root: Path | None = None) -> list[Path]:
     """The analysis notebooks shipped with the project (``analysis/*.ipynb``)."""
     root = root or Path(__file__).resolve().parents[2] / "analysis"
     return sorted(root.glob("*.ipynb")) if root.is_dir() else []
+
+
+def notebook_hint(run_root: Path, root: Path | None = None) -> str | None:
+    """Which notebooks to open on this run and how (docs/analysis.md's variables)."""
+    nbs = notebooks(root)
+    if not nbs:
+        return None
+    names = ", ".join(nb.name for nb in nbs)
+    return (f"notebooks ({names}; steps.ipynb: reward and step times, timeline.ipynb: cell roles):\n"
+            f"  cd {nbs[0].parent} && GYRE_RUNS={Path(run_root).parent} GYRE_TREES_RUN={run_root} jupyter lab")

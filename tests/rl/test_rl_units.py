@@ -225,3 +225,13 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
         m.append(rows)
     assert restore_step_rows(tmp_path, metrics) == []            # already there: never twice
     assert restore_step_rows(tmp_path / "nothing", metrics) == []
+
+
+def test_notebook_hint_names_the_notebooks_and_the_run(tmp_path):
+    from gyre_hpc.rl.progress import notebook_hint
+
+    assert notebook_hint(tmp_path / "runs" / "r", root=tmp_path / "none") is None
+    (tmp_path / "analysis").mkdir()
+    (tmp_path / "analysis" / "steps.ipynb").write_text("{}")
+    hint = notebook_hint(tmp_path / "runs" / "r", root=tmp_path / "analysis")
+    assert "steps.ipynb" in hint and f"GYRE_RUNS={tmp_path / 'runs'}" in hint and f"GYRE_TREES_RUN={tmp_path / 'runs' / 'r'}" in hint
