@@ -6,12 +6,14 @@ promises, read back from Slurm (scontrol) and from the run's metrics.h5.
 """
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 from collections import Counter
 
 import pytest
 
-from tests.jobs.slurm_jobs import (checkpoint_step, events, flips, fleet_step, job_info, sbatch,
+from tests.jobs.slurm_jobs import (REPO, checkpoint_step, events, flips, fleet_step, job_info, sbatch,
                                    steps, wait_for, wait_job, evidence)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -99,4 +101,28 @@ def test_usr2_checkpoints_requeues_and_resumes_without_repeating_a_step(tmp_path
     assert [s for e, s, _ in ev if e == "fleet_resume"] == [saved + 1]
     counts = Counter(steps(run_dir))
     assert sorted(counts) == list(range(1, 31)) and set(counts.values()) == {1}
+    assert "USR2: checkpointed at step" in out.read_text()
+
+
+def test_time_limit_warning_reaches_the_head_and_requeues(tmp_path):
+    """The real path, not scancel: Slurm itself sends B:USR2 signal_s before the time limit
+    (1 min limit, 40 s warning), the exec'd python gets it, drains, requeues, and resumes."""
+    # The limit lives in #SBATCH lines, so the script is generated from this config.
+    run_dir = tmp_path / "run"
+    cli = [sys.executable, "-c", "from gyre_hpc.cli import main; main()"]
+    sub = subprocess.run(cli + ["submit", SMOKE, "--sbatch", "--set", f"run_dir={run_dir}", "--set", "train.steps=100000",
+                                "--set", "slurm.time_min=1", "--set", "slurm.signal_s=40"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert sub.returncode == 0, sub.stderr
+    job = re.search(r"submitted het job (\d+)", sub.stdout).group(1)
+    out = run_dir / "logs" / f"head-{job}.out"
+    assert "#SBATCH --time=1" in (run_dir / "gyre_head.sh").read_text()
+    info = wait_job(job, 150, until=lambda i: i["Restarts"] == "1", log=out)
+    assert info["JobState"] != "TIMEOUT"
+    wait_for(lambda: "resume" in _names(run_dir), 120, "the resumed head", job, out)
+    subprocess.run(["scancel", job], check=True)
+    ev = events(run_dir)
+    requeue = [s for e, s, _ in ev if e == "requeue"]
+    assert len(requeue) == 1 and requeue[0] >= 1, evidence(run_dir)
+    assert [s for e, s, _ in ev if e == "resume"] == requeue
     assert "USR2: checkpointed at step" in out.read_text()
