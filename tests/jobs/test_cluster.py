@@ -113,3 +113,28 @@ def test_status_lists_our_daemons_and_every_node():
     assert "slurmctld" in out.stdout and "gone" not in out.stdout
     for node in cluster.node_states():
         assert f"{node.name} " in out.stdout
+
+
+def test_down_stops_exactly_the_recorded_daemons(tmp_path):
+    """Real processes stand in for daemons: down signals the recorded one, never a pid whose
+    program changed (a recycled pid), and forgets the cluster."""
+    ours = subprocess.Popen(["sleep", "300"])
+    stranger = subprocess.Popen(["sleep", "301"])
+    try:
+        state = cluster.ClusterState(nodes=1, host="box", daemons=[
+            cluster.DaemonRecord("slurmd-c1", ours.pid, ["sleep", "300"]),
+            # recorded as slurmctld, but that pid now runs something else
+            cluster.DaemonRecord("slurmctld", stranger.pid, ["/usr/sbin/slurmctld", "-D"]),
+        ])
+        (tmp_path / "pids.json").write_text(state.to_json())
+        assert cluster.down(tmp_path) == ["slurmd-c1"]
+        ours.wait(timeout=15)  # down reaped it already (its own child here): just gone
+        assert not os.path.exists(f"/proc/{ours.pid}")
+        assert stranger.poll() is None
+        assert not (tmp_path / "pids.json").exists()
+        assert cluster.down(tmp_path) == []
+    finally:
+        for p in (ours, stranger):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
