@@ -88,6 +88,11 @@ class RolloutConfig(_Section):
     run_timeout_s: float = Field(120.0, gt=0)
     temperature: float = Field(1.0, ge=0)
     engine: Literal["torch", "vllm"] = "torch"
+    # rl workload: environment latency added to every tool call a run makes before its next
+    # model call (lognormal, seeded per run and turn); 0 = none. Benchmarks use it to give
+    # runs the tool-dominated shape of real agent work on a small machine.
+    tool_latency_s: float = Field(0.0, ge=0, description="median added tool latency (s), 0 = none")
+    tool_latency_sigma: float = Field(0.6, ge=0, description="sigma of log of the added tool latency")
 
 
 class SlurmConfig(_Section):

@@ -50,6 +50,7 @@ from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.harness.tasks import Task
 from gyre_hpc.rl import messages
 from gyre_hpc.rl.tasks import load_tasks
+from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
 from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
@@ -259,8 +260,14 @@ class RLController:
 
     async def _agent(self, spec: RunSpec, st: StepState) -> None:
         client: CountingRunClient = self.driver.client(spec.run_id, spec.seed)
-        agent = AgentRun(spec.task, self.run.workspaces / spec.run_id, client,
-                         self.run.journals / f"{spec.run_id}.jsonl", self.harness_cfg, run_id=spec.run_id)
+        args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.jsonl",
+                self.harness_cfg)
+        rc = self.cfg.rollout
+        if rc.tool_latency_s > 0:
+            agent = LatencyAgentRun(*args, run_id=spec.run_id, run_seed=spec.seed, median_s=rc.tool_latency_s,
+                                    sigma=rc.tool_latency_sigma)
+        else:
+            agent = AgentRun(*args, run_id=spec.run_id)
         result: RunResult = await agent.run(resume=True)
         versions = [c.policy_version for c in result.calls]
         tree = build_tree(result.calls, run_id=spec.run_id, task_id=spec.task.task_id, reward=result.reward,

@@ -1,5 +1,8 @@
 """Task suites of the rl workload beyond the harness's built-in ones.
 
+``easy-3turn``: the easy tasks with three model calls per run (each output is appended to
+the answer), for ``rollout.tool_latency_s`` to put environment time between calls.
+
 ``easy-tool``: the harness's ``easy`` tasks plus one test that stands for environment time:
 it sleeps a lognormal time (median ``TOOL_MEDIAN_S``, sigma ``TOOL_SIGMA``) drawn from a hash
 of the answer, so different runs wait different times, the same answer always the same.
@@ -32,7 +35,11 @@ def with_tool_time(tasks: list[Task], median_s: float = TOOL_MEDIAN_S, sigma: fl
     return [replace(t, task_id=f"{t.task_id}-tool", tests=t.tests + (_tool_test(median_s, sigma),)) for t in tasks]
 
 
-RL_SUITES = {"easy-tool": lambda: with_tool_time(load_suite("easy"))}
+RL_SUITES = {
+    "easy-tool": lambda: with_tool_time(load_suite("easy")),
+    # Three turns per run: with rollout.tool_latency_s the waits fall between model calls.
+    "easy-3turn": lambda: [replace(t, task_id=f"{t.task_id}-3turn", max_turns=3) for t in load_suite("easy")],
+}
 
 
 def load_tasks(name: str) -> list[Task]:

@@ -235,3 +235,38 @@ def test_notebook_hint_names_the_notebooks_and_the_run(tmp_path):
     (tmp_path / "analysis" / "steps.ipynb").write_text("{}")
     hint = notebook_hint(tmp_path / "runs" / "r", root=tmp_path / "analysis")
     assert "steps.ipynb" in hint and f"GYRE_RUNS={tmp_path / 'runs'}" in hint and f"GYRE_TREES_RUN={tmp_path / 'runs' / 'r'}" in hint
+
+
+def test_tool_latency_is_seeded_lognormal_and_only_between_calls(tmp_path):
+    import time
+
+    from gyre_hpc.rl.latency import LatencyAgentRun, latency_s
+    from gyre_hpc.rl.tasks import load_tasks
+
+    draws = [latency_s(7, k, 1.0, 0.6) for k in range(400)]
+    assert draws == [latency_s(7, k, 1.0, 0.6) for k in range(400)]        # same seed, same waits
+    assert 0.85 < float(np.median(draws)) < 1.15 and np.std(np.log(draws)) == pytest.approx(0.6, abs=0.08)
+    assert latency_s(8, 0, 1.0, 0.6) != draws[0]
+
+    task = next(t for t in load_tasks("easy-3turn"))
+    assert task.max_turns == 3
+    engines = {0: TorchEngine(build_model("tiny", seed=0), name="e0", seed=1)}
+    driver = RouterDriver(Router(InProcessEngines(engines), [0]))
+    cfg = HarnessConfig(max_new_tokens=8, context_limit=512, run_timeout_s=60, max_retries=0)
+    run = LatencyAgentRun(task, tmp_path / "w", driver.client("r", 5), tmp_path / "j.jsonl", cfg, run_id="r",
+                          run_seed=5, median_s=0.05, sigma=0.6)
+
+    async def main():
+        t = asyncio.create_task(run.run())
+        while not t.done():
+            driver.dispatch()
+            driver.pump()
+            await asyncio.sleep(0)
+        return t.result()
+
+    t0 = time.monotonic()
+    result = asyncio.run(main())
+    assert len(result.calls) == 3
+    # two waits (after calls 1 and 2), none after the last call
+    assert run.added_s == pytest.approx(latency_s(5, 1, 0.05, 0.6) + latency_s(5, 2, 0.05, 0.6))
+    assert time.monotonic() - t0 >= run.added_s
