@@ -50,3 +50,19 @@ def test_submit_sbatch_generates_a_script_for_the_config_shape(tmp_path):
     info = wait_job(job, 240, log=run_dir / "logs" / f"head-{job}.out")
     assert info["JobState"] == "COMPLETED", (run_dir / "logs" / f"head-{job}.out").read_text()
     assert steps(run_dir) == [1, 2, 3]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_run_with_the_slurm_launcher_outside_a_job_lets_srun_allocate_the_het_step(tmp_path):
+    import json
+
+    run_dir = tmp_path / "run"
+    out = subprocess.run(CLI + ["run", "examples/smoke.yaml", "--set", f"run_dir={run_dir}", "--set", "train.steps=2",
+                                "--set", "model.substrate_state_mb=1"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    fleet = json.loads((run_dir / "logs" / "fleet.json").read_text())
+    assert fleet["command"][0] == "srun" and fleet["command"].count(":") == 3
+    assert re.fullmatch(r"\d+\.\d+", fleet["step_id"])
+    assert steps(run_dir) == [1, 2]
