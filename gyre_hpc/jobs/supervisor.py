@@ -264,8 +264,14 @@ class Supervisor:
         # writes an event too, and must not find this process's own writer mid-row.
         with _signals_held():
             # Only ever called while no fleet runs, so an unclosed file means a killed writer.
-            if recover_unclosed(self.run.metrics):
-                self.log(f"{self.run.metrics.name} was left open by a killed writer; rewrote it, rows kept")
+            try:
+                if recover_unclosed(self.run.metrics):
+                    self.log(f"{self.run.metrics.name} was left open by a killed writer; rewrote it, rows kept")
+            except OSError as exc:
+                # Unreadable even for SWMR readers: keep it for forensics, go on with a fresh file.
+                aside = self.run.metrics.with_name(f"metrics.h5.corrupt-{int(time.time())}")
+                os.replace(self.run.metrics, aside)
+                self.log(f"{self.run.metrics.name} is unreadable ({exc}); moved to {aside.name}, starting a new one")
             with MetricsWriter(self.run.metrics) as metrics:
                 metrics.event(name, -1 if step is None else step, detail)
 

@@ -126,3 +126,14 @@ def test_controllers_recorded_exit_wins_over_a_garbled_srun_code(tmp_path):
     with MetricsWriter(sup.run.metrics) as w:
         w.event("fleet_exit", 3, "exit 1")
     assert sup._reconcile_exit(143, launched - 1) == 143     # a failure stays a failure
+
+
+def test_unreadable_metrics_file_is_kept_aside_not_overwritten(tmp_path):
+    cfg = build_config({"cells": {"count": 1}})
+    sup = _sup(tmp_path, cfg)
+    sup.run.make()
+    sup.run.metrics.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)  # a torn file
+    sup.event("launch", -1, "attempt 1")
+    aside = list(sup.run.root.glob("metrics.h5.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"\x89HDF")
+    assert _names(sup.run.root) == ["launch"]
