@@ -72,7 +72,12 @@ def submit(config: str, overrides: tuple[str, ...], use_sbatch: bool, wait: bool
     job = submit_job(cfg)
     click.echo(f"submitted job {job.job_id} (submitit folder {run_dir.root / 'submitit'}); outputs in {run_dir.root}")
     if wait:
-        click.echo(str(job.task(0).result()))
+        from gyre_hpc.jobs.submit import wait_for_result
+
+        try:
+            click.echo(str(wait_for_result(job)))
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 def submit_sbatch(cfg: RunConfig, run_root: Path) -> tuple[str, Path]:

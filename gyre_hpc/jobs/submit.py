@@ -11,11 +11,15 @@ way and recorded in design.md:
 - ``HeadJob.checkpoint`` drains the fleet (control file, exit 75) *before* returning the
   DelayedSubmission that submitit pickles and requeues: the next start resumes from it.
 
-Collect with ``job.task(0).result()``: ``job.results()`` waits for every task.
+Collect with ``wait_for_result(job)`` (or ``job.task(0).result()`` where sacct works):
+``job.results()`` waits for every task.
 """
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import submitit
@@ -94,3 +98,35 @@ def submit(cfg: RunConfig, folder: str | Path | None = None, spare_head_node: bo
     folder = Path(folder) if folder is not None else run.root / "submitit"
     ex = executor_for(cfg, folder, spare_head_node=spare_head_node)
     return ex.submit(HeadJob(cfg.to_yaml()))
+
+
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def _scontrol_state(job_id: str) -> str | None:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20)
+    m = re.search(r"JobState=(\S+)", out.stdout) if out.returncode == 0 else None
+    return m.group(1) if m else None
+
+
+def wait_for_result(job: submitit.Job, timeout_s: float | None = None, poll_s: float = 1.0,
+                    grace_s: float = 10.0):
+    """The head's result, also where Slurm keeps no accounting.
+
+    submitit learns that a job died only from ``sacct``; without accounting storage
+    ``job.task(0).result()`` waits forever for a job that ended without a result. Here
+    ``scontrol`` (which keeps finished jobs for MinJobAge) says when to stop waiting, and the
+    error carries the end of the job's log.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    ended_at = None
+    while deadline is None or time.monotonic() < deadline:
+        if job.paths.result_pickle.exists():
+            return job.task(0).result()
+        if _scontrol_state(job.job_id) in _ENDED:
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > grace_s:
+                log = job.paths.stdout.read_text()[-3000:] if job.paths.stdout.exists() else "(no log)"
+                raise RuntimeError(f"submitit job {job.job_id} ended without a result; its log ends:\n{log}")
+        time.sleep(poll_s)
+    raise TimeoutError(f"submitit job {job.job_id} gave no result within {timeout_s:.0f} s")

@@ -95,24 +95,6 @@ def flips(run_dir: Path) -> dict[int, list[str]]:
     return out
 
 
-def submitit_result(job, timeout: float):
-    """``job.task(0).result()`` without hanging: submitit learns of a dead job only via sacct,
-    which this cluster lacks, so a job that dies without a result pickle is caught here."""
-    deadline = time.monotonic() + timeout
-    gone_at = None
-    while time.monotonic() < deadline:
-        if job.paths.result_pickle.exists():
-            return job.task(0).result()
-        if job_info(job.job_id)["JobState"] in DONE_STATES:
-            gone_at = gone_at or time.monotonic()
-            if time.monotonic() - gone_at > 10:
-                log = job.paths.stdout.read_text()[-3000:] if job.paths.stdout.exists() else ""
-                raise AssertionError(f"submitit job {job.job_id} ended without a result\n{log}")
-        time.sleep(0.5)
-    subprocess.run(["scancel", job.job_id])
-    raise AssertionError(f"submitit job {job.job_id} gave no result after {timeout:.0f} s")
-
-
 def evidence(run_dir: Path, lines: int = 15) -> str:
     """Events plus the tail of every fleet log: what a failed assertion should show."""
     parts = []

@@ -9,8 +9,9 @@ import pytest
 
 import gyre_hpc
 from gyre_hpc.config import load_config
+from gyre_hpc.jobs.submit import wait_for_result
 from tests.jobs.slurm_jobs import (REPO, checkpoint_step, events, flips, fleet_step, job_info, steps,
-                                   submitit_result, wait_for, wait_job)
+                                   wait_for, wait_job)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -22,7 +23,7 @@ def _cfg(tmp_path, *overrides):
 def test_submit_runs_the_smoke_fleet_as_a_het_step(tmp_path):
     cfg = _cfg(tmp_path)
     job = gyre_hpc.submit(cfg)
-    result = submitit_result(job, 300)
+    result = wait_for_result(job, 300)
     assert result["status"] == "finished" and result["last_step"] == 6, result
     run_dir = tmp_path / "run"
     assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
@@ -52,7 +53,7 @@ def test_submit_usr2_drains_requeues_and_resumes(tmp_path):
     subprocess.run(["scancel", "--batch", "--signal=USR2", job.job_id], check=True)
     wait_job(job.job_id, 120, until=lambda i: i["Restarts"] == "1")
     saved = checkpoint_step(run_dir)
-    result = submitit_result(job, 300)
+    result = wait_for_result(job, 300)
     assert result["status"] == "finished" and result["last_step"] == 30, result
     ev = events(run_dir)
     assert [s for e, s, _ in ev if e == "requeue"] == [saved]
@@ -60,3 +61,20 @@ def test_submit_usr2_drains_requeues_and_resumes(tmp_path):
     counts = Counter(steps(run_dir))
     assert sorted(counts) == list(range(1, 31)) and set(counts.values()) == {1}
     assert job_info(job.job_id)["Restarts"] == "1"
+
+
+def test_wait_for_result_reports_a_job_that_died_without_one(tmp_path):
+    cfg = _cfg(tmp_path, "train.steps=100000")
+    job = gyre_hpc.submit(cfg)
+    wait_for(lambda: fleet_step(tmp_path / "run", 1), 120, "the first fleet step", job.job_id)
+    subprocess.run(["scancel", job.job_id], check=True)
+    with pytest.raises(RuntimeError, match=rf"submitit job {job.job_id} ended without a result; its log ends"):
+        wait_for_result(job, 120, grace_s=3)
+
+
+def test_submit_cli_waits_and_prints_the_result(tmp_path):
+    out = subprocess.run([sys.executable, "-c", "from gyre_hpc.cli import main; main()", "submit", "examples/smoke.yaml",
+                          "--wait", "--set", f"run_dir={tmp_path / 'run'}", "--set", "train.steps=2",
+                          "--set", "model.substrate_state_mb=1"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "'status': 'finished'" in out.stdout and "'last_step': 2" in out.stdout
