@@ -5,7 +5,8 @@ harness runs, trees, streaming training) on the same workload with the same seed
 ``easy-3turn`` suite (three model calls per run) with ``rollout.tool_latency_s``, a lognormal
 environment wait after each tool call, so on a small machine runs spend most of their time
 in tools and idle engines exist to be reclaimed. Launcher: the
-local one (``mpiexec`` on this machine; the JSON says so). Per policy: wall time per step,
+local Slurm cluster when it is up (one ``srun`` het step per policy over its virtual nodes),
+else ``mpiexec`` on this machine (``--launcher``; the JSON says which). Per policy: wall time per step,
 busy fractions (``rundir.load.time_fractions``), flips and KV migrations; elastic's speedups
 are ratios of totals measured in this same invocation.
 
@@ -46,24 +47,43 @@ def workload_config(run_dir: Path, policy: str, steps: int, seed: int) -> dict:
     }
 
 
-def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float) -> dict:
+def resolve_launcher(choice: str) -> tuple[str, list[str] | None]:
+    """``auto``: the local Slurm cluster when it is up (>= 3 usable nodes), else mpiexec here."""
+    if choice == "local":
+        return "local", None
+    from gyre_hpc.bench.switch import usable_slurm_nodes
+    try:
+        return "slurm", usable_slurm_nodes()
+    except (click.ClickException, OSError) as exc:
+        if choice == "slurm":
+            raise click.ClickException(f"--launcher slurm: {getattr(exc, 'message', exc)}") from None
+        return "local", None
+
+
+def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
+               launcher: str = "local", nodes: list[str] | None = None) -> dict:
     from gyre_hpc.config import build_config
-    from gyre_hpc.jobs.launchers import LocalLauncher
-    from gyre_hpc.jobs.plan import local_plan
+    from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher
+    from gyre_hpc.jobs.plan import local_plan, plan_for_nodes
     from gyre_hpc.rundir.layout import RunDir
 
-    cfg = build_config(workload_config(root / policy, policy, steps, seed))
+    cfg = build_config({**workload_config(root / policy, policy, steps, seed), "launcher": launcher})
     run = RunDir.at(cfg.run_dir).make()
     run.config.write_text(cfg.to_yaml())
     out = run.logs / "result.json"
     argv = [sys.executable, "-m", "gyre_hpc.bench.e2e", "--ranks", str(run.root), str(out)]
+    if launcher == "slurm":
+        plan, runner = plan_for_nodes(cfg, nodes), SlurmLauncher(mpi=cfg.slurm.mpi)
+    else:
+        plan, runner = local_plan(cfg), LocalLauncher()
     t0 = time.perf_counter()
-    handle = LocalLauncher().launch(local_plan(cfg), argv, log_path=run.logs / "fleet.log", cwd=run.root)
+    handle = runner.launch(plan, argv, log_path=run.logs / "fleet.log", cwd=run.root)
     try:
         rc = handle.wait(timeout_s)
     except Exception:
         handle.kill()
-        raise
+        raise click.ClickException(f"{policy}: the fleet did not finish in {timeout_s:.0f} s; "
+                                   f"see {run.logs / 'fleet.log'}") from None
     wall = time.perf_counter() - t0
     if rc != 0 or not out.exists():
         raise click.ClickException(f"{policy}: the fleet exited {rc}; see {run.logs / 'fleet.log'}")
@@ -157,8 +177,11 @@ def ranks_main(run_dir: str, out: str) -> int:
 @click.option("--policies", default=",".join(POLICIES), show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="keep the run directories here")
 @click.option("--timeout-s", default=900.0, show_default=True, help="per policy")
+@click.option("--launcher", type=click.Choice(["auto", "local", "slurm"]), default="auto", show_default=True,
+              help="auto: the local Slurm cluster if it is up, else mpiexec on this machine")
 @click.option("--json", "as_json", is_flag=True)
-def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: float, as_json: bool) -> None:
+def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: float, launcher: str,
+            as_json: bool) -> None:
     """Elastic vs colocate vs async on one real RL workload; the simulator's forecast beside it."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
@@ -166,11 +189,13 @@ def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: fl
         raise click.BadParameter(f"{bad or names}: policies are {', '.join(POLICIES)}, elastic included",
                                  param_hint="--policies")
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="gyre-e2e-"))
-    runs = {p: run_policy(root, p, steps, seed, timeout_s) for p in names}
+    launcher, nodes = resolve_launcher(launcher)
+    runs = {p: run_policy(root, p, steps, seed, timeout_s, launcher, nodes) for p in names}
     summaries = {p: summarize(p, r) for p, r in runs.items()}
     result = {
         "benchmark": "e2e",
-        "launcher": "local (mpiexec on this machine)",
+        "launcher": ("slurm (one het step per policy on the local cluster's nodes " + ",".join(nodes) + ")"
+                     if launcher == "slurm" else "local (mpiexec on this machine)"),
         "workload": {"tasks": "easy-3turn", "tool_latency_s": 1.5, "cells": 3, "runs_per_step": 16, "steps": steps,
                      "seed": seed},
         "policies": summaries,

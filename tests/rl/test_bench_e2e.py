@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 def test_bench_e2e_reports_each_policy_the_speedup_and_the_forecast(tmp_path):
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
     proc = subprocess.run([gyre, "bench", "e2e", "--json", "--steps", "2", "--policies", "elastic,async",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO,
+                           "--launcher", "local", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
