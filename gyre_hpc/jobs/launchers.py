@@ -219,15 +219,17 @@ class SlurmHandle(FleetHandle):
             time.sleep(0.2)
 
     def poll(self) -> int | None:
-        if self._step_id is None and self.proc.poll() is None:
-            self.step_id  # learn it while the step runs, so a hang after it can be recognised
         rc = super().poll()
-        if rc is not None or self._step_id is None:
+        if rc is not None:
             return rc
         now = time.monotonic()
+        # scontrol at most every 2 s: a pending het job may sit in the queue for long.
         if now - self._last_check < 2.0:
             return None
         self._last_check = now
+        if self._step_id is None:
+            self.step_id  # learn it while the step runs, so a hang after it can be recognised
+            return None
         if find_step(self._host, self.proc.pid, self._prefer_job) is not None:
             self._gone_since = None
             return None
