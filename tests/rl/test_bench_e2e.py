@@ -24,7 +24,7 @@ def test_bench_e2e_reports_each_policy_the_speedup_and_the_forecast(tmp_path):
     assert set(out["policies"]) == {"elastic", "async"}
     for name, p in out["policies"].items():
         assert len(p["step_s"]) == 2 and all(s > 0 for s in p["step_s"])
-        assert abs(sum(p["busy"].values()) - 1.0) < 1e-6, p["busy"]
+        assert abs(sum(p["busy"].values()) - 1.0) < 5e-3, p["busy"]   # fractions rounded to 3 places
         assert p["restarts"] == 0
         assert (tmp_path / name / "trees.zarr").is_dir()
     assert out["policies"]["async"]["flips"] == 0
