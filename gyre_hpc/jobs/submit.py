@@ -17,6 +17,7 @@ Collect with ``wait_for_result(job)`` (or ``job.task(0).result()`` where sacct w
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +50,9 @@ class HeadJob(Checkpointable):
         sup = make_supervisor(cfg)
         sup.requeue = None
         self._supervisor = sup
+        # submitit ignores SIGTERM ("bypass"); scancel would then look like a dying fleet and
+        # be relaunched until the kill. Treat it as the sbatch head does: drain and stop.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sup.request_stop("SIGTERM", requeue=False))
         sup.log(f"submitit head: run dir {sup.run.root}, {sup.plan.world_size} ranks")
         result = sup.run_fleet()
         if result.status == "failed":

@@ -122,7 +122,10 @@ def test_time_limit_warning_reaches_the_head_and_requeues(tmp_path):
     wait_for(lambda: "resume" in _names(run_dir), 120, "the resumed head", job, out)
     subprocess.run(["scancel", job], check=True)
     ev = events(run_dir)
+    # A resumed head on a loaded box may get its own warning before it trains a step: then it
+    # requeues again, from the same checkpoint. Each resume starts where a requeue stopped.
     requeue = [s for e, s, _ in ev if e == "requeue"]
-    assert len(requeue) == 1 and requeue[0] >= 1, evidence(run_dir)
-    assert [s for e, s, _ in ev if e == "resume"] == requeue
+    resume = [s for e, s, _ in ev if e == "resume"]
+    assert requeue and requeue[0] >= 1, evidence(run_dir)
+    assert resume and resume == requeue[:len(resume)], evidence(run_dir)
     assert "USR2: checkpointed at step" in out.read_text()

@@ -67,7 +67,8 @@ def test_wait_for_result_reports_a_job_that_died_without_one(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=100000")
     job = gyre_hpc.submit(cfg)
     wait_for(lambda: fleet_step(tmp_path / "run", 1), 120, "the first fleet step", job.job_id)
-    subprocess.run(["scancel", job.job_id], check=True)
+    # SIGKILL to the batch step: python cannot leave even an error result behind.
+    subprocess.run(["scancel", "--batch", "--signal=KILL", job.job_id], check=True)
     with pytest.raises(RuntimeError, match=rf"submitit job {job.job_id} ended without a result; its log ends"):
         wait_for_result(job, 120, grace_s=3)
 
@@ -78,3 +79,14 @@ def test_submit_cli_waits_and_prints_the_result(tmp_path):
                           "--set", "model.substrate_state_mb=1"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "'status': 'finished'" in out.stdout and "'last_step': 2" in out.stdout
+
+
+def test_scancel_of_a_submitit_head_drains_and_returns_stopped(tmp_path):
+    """submitit ignores SIGTERM; the head does not, so scancel is a clean stop, not a relaunch storm."""
+    cfg = _cfg(tmp_path, "train.steps=100000")
+    job = gyre_hpc.submit(cfg)
+    wait_for(lambda: fleet_step(tmp_path / "run", 1), 120, "the first fleet step", job.job_id)
+    subprocess.run(["scancel", job.job_id], check=True)
+    result = wait_for_result(job, 120)
+    assert result["status"] == "stopped" and result["launches"] == 1, result
+    assert "relaunch" not in [e for e, _, _ in events(tmp_path / "run")]
