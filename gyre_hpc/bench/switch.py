@@ -101,7 +101,6 @@ def summarize(raw: dict, state_mb: float, launcher: str) -> dict:
     flip_rates = [f["bytes"] / (1 << 20) / f["duration_s"] for f in to_train]
     raw_s = statistics.median(raw["raw_send_s"])
     r2t = statistics.median(f["duration_s"] for f in to_train)
-    t2r = statistics.median(f["duration_s"] for f in to_rollout)
     rate = statistics.median(rates) if rates else float("nan")
 
     def spread(flips: list[dict]) -> dict:

@@ -120,20 +120,30 @@ def _load_into(local: dict, stored: dict, where: Path) -> None:
         t.copy_(src)
 
 
-def main_guarded(run_dir: str | Path, options: FleetOptions = FleetOptions(),
-                 world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
-    """run_fleet, with any exception on any rank ending the whole world."""
+def guard_world(entry, label: str, world: MPI.Intracomm):
+    """Run ``entry()``; any exception on any rank ends the whole world.
+
+    Why: a rank that dies alone leaves the others blocked in a collective forever, and the
+    supervisor would wait on a hung step instead of relaunching it. Both fleets (the
+    substrate and the rl workload) go through this one guard.
+    """
     try:
-        out = run_fleet(run_dir, options, world)
+        out = entry()
     except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
-        sys.stderr.write(f"[fleet rank {world.Get_rank()}] fatal: {type(exc).__name__}: {exc}\n")
+        sys.stderr.write(f"[{label} rank {world.Get_rank()}] fatal: {type(exc).__name__}: {exc}\n")
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         world.Abort(1)
         raise
-    return out.exit_code if isinstance(out, FleetResult) else int(out)
+    return out.exit_code if hasattr(out, "exit_code") else int(out)
+
+
+def main_guarded(run_dir: str | Path, options: FleetOptions = FleetOptions(),
+                 world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
+    """run_fleet, with any exception on any rank ending the whole world."""
+    return guard_world(lambda: run_fleet(run_dir, options, world), "fleet", world)
 
 
 # How long the controller waits, after MPI_Finalize, before it exits with a non-zero code.

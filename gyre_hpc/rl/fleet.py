@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from mpi4py import MPI
 from gyre_hpc.cells import checkpoint, comms, weights
 from gyre_hpc.cells.cell_rank import CellRank
 from gyre_hpc.cells.engines.torch_engine import TorchEngine
-from gyre_hpc.cells.fleet import resolve_policy
+from gyre_hpc.cells.fleet import guard_world, resolve_policy
 from gyre_hpc.cells.plan import CONTROLLER_RANK, cell_of_rank, core_cell, plan_cells, world_size
 from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.rl.cell import RLCellRank
@@ -112,15 +110,5 @@ def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions()
 
 def main_guarded(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
                  world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
-    """run_rl_fleet, with any exception on any rank ending the whole world (see cells.fleet)."""
-    try:
-        out = run_rl_fleet(run_dir, options, world)
-    except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
-        if isinstance(exc, SystemExit) and exc.code in (0, None):
-            raise
-        sys.stderr.write(f"[rl fleet rank {world.Get_rank()}] fatal: {type(exc).__name__}: {exc}\n")
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        world.Abort(1)
-        raise
-    return out.exit_code if isinstance(out, RLFleetResult) else int(out)
+    """run_rl_fleet, with any exception on any rank ending the whole world."""
+    return guard_world(lambda: run_rl_fleet(run_dir, options, world), "rl fleet", world)

@@ -14,7 +14,7 @@ from gyre_hpc.harness.tasks import load_suite
 from gyre_hpc.harness.tokenizer import encode, split_bytes
 from gyre_hpc.trees.builder import build_tree
 
-from scripted import HI_TASK, ScriptClient, teacher
+from scripted import HI_TASK, ScriptClient
 
 # With these numbers the teacher's run compresses exactly once, after the retry's write.
 CFG = HarnessConfig(max_new_tokens=24, context_limit=270)
