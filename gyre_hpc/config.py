@@ -203,22 +203,28 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] = (), 
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
+def read_yaml_mapping(path: str | Path, what: str, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping; every failure names the file.
+
+    Shared by the run config and the simulator's workload files so both report a missing,
+    malformed or mis-shaped file the same way.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} {p} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise error(f"{what} {p} is not valid YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise error(f"{what} {p}: top level must be a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config; a missing or malformed file is reported by name."""
-    data: dict[str, Any] = {}
-    source = "<defaults>"
-    if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
-    return build_config(data, overrides, source)
+    if path is None:
+        return build_config({}, overrides, "<defaults>")
+    return build_config(read_yaml_mapping(path, "config file"), overrides, str(Path(path)))

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import yaml
+
+from gyre_hpc.config import read_yaml_mapping
 
 
 class WorkloadError(ValueError):
@@ -267,18 +268,7 @@ def load_workload(path: str | Path | None = None, preset_name: str = "tiny",
     """A preset, then the YAML file's fields (it may name its own ``preset``), then ``overrides``."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise WorkloadError(f"workload file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise WorkloadError(f"workload file {p} is not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise WorkloadError(f"workload file {p}: top level must be a mapping, got {type(loaded).__name__}")
-        data = dict(loaded)
+        data = dict(read_yaml_mapping(path, "workload file", WorkloadError))
         preset_name = data.pop("preset", preset_name)
     try:
         w = override(preset(preset_name), data)
