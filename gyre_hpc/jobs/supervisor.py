@@ -191,7 +191,8 @@ class Supervisor:
             with _signals_held():
                 recover_unclosed(self.run.metrics)
                 ev = read_table(self.run.metrics, "events")
-        except (OSError, KeyError):
+        except Exception as exc:  # noqa: BLE001 - a damaged file must not take the head down
+            self.log(f"cannot read fleet_exit from {self.run.metrics.name}: {exc}")
             return rc
         for t, name, detail in zip(ev["time"][::-1], ev["event"][::-1], ev["detail"][::-1]):
             if t < launched_at - 5:

@@ -204,13 +204,16 @@ def recover_unclosed(path: str | Path) -> bool:
             raise
     with h5py.File(path, "r", libver="latest", swmr=True) as src:
         attrs = dict(src.attrs)
-    tables = {table: read_table(path, table) for table in TABLES}
+        present = [table for table in TABLES if table in src]
+    tables = {table: read_table(path, table) for table in present}
     tmp = path.with_name(path.name + ".recovering")
     tmp.unlink(missing_ok=True)
     row_types = {table: row_type for row_type, table in _ROW_TABLE.items()}
     with MetricsWriter(tmp, attrs=attrs) as writer:
         for table, cols in tables.items():
-            n = len(cols[TABLES[table][0][0]])
+            # A writer killed mid-append leaves its last row in some columns only: that row was
+            # never complete; every complete row is kept.
+            n = min(len(cols[c]) for c, _ in TABLES[table])
             writer.append(row_types[table](**{c: cols[c][i] for c, _ in TABLES[table]}) for i in range(n))
     os.replace(tmp, path)
     return True

@@ -48,3 +48,20 @@ def test_recover_unclosed_leaves_missing_and_healthy_files_alone(tmp_path):
     before = (tmp_path / "ok.h5").read_bytes()
     assert recover_unclosed(tmp_path / "ok.h5") is False
     assert (tmp_path / "ok.h5").read_bytes() == before
+
+
+def test_recover_unclosed_drops_only_the_row_torn_by_the_kill(tmp_path):
+    """Killed between column resizes: the last row exists in some columns only."""
+    path = tmp_path / "metrics.h5"
+    torn = KILLED_WRITER.replace('print("written", flush=True)', '''
+grp = w._f["steps"]
+for col in ("step", "time"):          # a third row, begun but never finished
+    grp[col].resize((3,)); grp[col][2] = 3; grp[col].flush()
+print("written", flush=True)''')
+    proc = subprocess.Popen([sys.executable, "-c", torn, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "written"
+    proc.kill()
+    proc.wait()
+    assert recover_unclosed(path) is True
+    assert list(read_table(path, "steps")["step"]) == [1, 2]
+    assert list(read_table(path, "events")["event"]) == ["fleet_start"]
