@@ -1,6 +1,6 @@
 """A trivial MPI program for launcher conformance: each rank reports where it runs.
 
-Usage: python mpi_probe.py OUT_DIR [--sleep S] [--exit-code N]
+Usage: python mpi_probe.py OUT_DIR [--sleep S] [--exit-code N]   (N: rank 0's code; others exit 0)
 Writes OUT_DIR/rank-<r>.json after a barrier (so every file proves the world formed).
 """
 from __future__ import annotations
@@ -36,6 +36,13 @@ def main() -> int:
         (out / f"sleeping-{info['rank']}").touch()
         time.sleep(args.sleep)
     world.Barrier()
+    if world.Get_rank() != 0:
+        return 0
+    if args.exit_code:
+        # Last to leave: under `srun --kill-on-bad-exit` an early non-zero exit gets the other
+        # ranks SIGTERMed in teardown and srun then reports 143 (the supervisor reconciles that
+        # for the fleet); the launchers' own contract is that the world's code reaches the handle.
+        time.sleep(1.0)
     return args.exit_code
 
 
