@@ -36,6 +36,7 @@ from gyre_hpc.rundir.metrics import MetricsWriter, read_table, recover_unclosed
 EXIT_DONE = 0
 EXIT_CHECKPOINTED = 75
 CHECKPOINT_AND_EXIT = "checkpoint-and-exit"
+TERM_WAIT_S = 2.0  # how long a SIGTERM'd head waits for the fleet before recording the stop
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,19 @@ class Supervisor:
     def _watch(self, handle: FleetHandle) -> int:
         self._record_step(handle)
         known_step = None
+        term_at = None
         while True:
             rc = handle.poll()
             if rc is not None:
                 if getattr(handle, "orphaned", False):
                     self.log(f"srun outlived its step {handle.step_id}; killed it")
                 return rc
+            if self.stop is not None and self.stop.reason == "SIGTERM":
+                # Slurm SIGKILLs everything KillWait (often 5-30 s) after SIGTERM; the fleet is
+                # being killed alongside, so record the stop now instead of waiting on srun.
+                term_at = term_at or time.monotonic()
+                if time.monotonic() - term_at > TERM_WAIT_S:
+                    return 128 + signal.SIGTERM
             if known_step is None and handle.step_id is not None:
                 known_step = handle.step_id
                 self._record_step(handle)
