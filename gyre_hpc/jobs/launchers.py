@@ -80,9 +80,21 @@ class Launcher(ABC):
         """Start the fleet and return at once."""
 
 
+# What an Open MPI singleton (a process that imported mpi4py.MPI without mpiexec) leaves in
+# its C environment, and so in every child it starts: a launcher given these believes it is
+# already a rank of that singleton and mpiexec exits 1 without a word. Users' own MCA
+# settings (OMPI_MCA_btl=..., OMPI_ALLOW_RUN_AS_ROOT) are not in this list and pass through.
+_MPI_SINGLETON_PREFIXES = ("PMIX_", "ORTE_", "OMPI_APP_CTX_", "OMPI_MCA_ess", "OMPI_MCA_orte_",
+                           "OMPI_MCA_pmix", "OMPI_COMM_WORLD_", "OMPI_FIRST_RANKS", "OMPI_NUM_APP_CTX")
+
+
 def fleet_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for fleet ranks: one BLAS/torch thread per rank (ranks already fill the cores)."""
-    env = dict(os.environ)
+    """Environment for fleet ranks: one BLAS/torch thread per rank (ranks already fill the cores).
+
+    Always passed explicitly and without an MPI singleton's variables: a head started by a
+    process that had imported mpi4py (a pytest run, a notebook) inherits them at start.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_SINGLETON_PREFIXES)}
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("GYRE_TORCH_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")

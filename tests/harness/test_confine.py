@@ -36,15 +36,19 @@ def _procs_of_uid(uid: int, settle_s: float = 3.0) -> list[int]:
         time.sleep(0.05)
 
 
-def _procs_running(cmdline_part: bytes, settle_s: float = 3.0) -> list[int]:
-    """Live processes whose command line holds ``cmdline_part`` (after a teardown settles)."""
+def _procs_running(argv: bytes, settle_s: float = 3.0) -> list[int]:
+    """Live processes whose whole argv is ``argv`` (NUL-separated), after a teardown settles.
+
+    The whole argv, not a substring: another program on the machine whose arguments happen
+    to contain "sleep 300" (a test's srun line) must not fail this test.
+    """
     deadline = time.monotonic() + settle_s
     while True:
         found = []
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 try:
-                    if cmdline_part in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\x00") == argv:
                         found.append(int(pid))
                 except OSError:
                     pass
@@ -137,14 +141,14 @@ def test_parent_environment_secret_is_not_visible(ws, monkeypatch):
 def test_never_returning_command_is_killed_with_its_children(ws):
     limits = Limits(wall_s=1.0)
     t0 = time.monotonic()
-    r = run_confined("sleep 300 & setsid sleep 301 & sleep 302", ws, limits)
+    r = run_confined("sleep 3170 & setsid sleep 3171 & sleep 3172", ws, limits)
     assert r.timed_out and r.returncode is None
     assert time.monotonic() - t0 < 5
     if isolation_mode() == "root":
         assert _procs_of_uid(sandbox_uid(ws)) == []
-    assert _procs_running(b"sleep\x00300") == [] and _procs_running(b"sleep\x00302") == []
+    assert _procs_running(b"sleep\x003170") == [] and _procs_running(b"sleep\x003172") == []
     if isolation_mode() != "plain":
-        assert _procs_running(b"sleep\x00301") == []   # setsid does not leave the PID namespace
+        assert _procs_running(b"sleep\x003171") == []   # setsid does not leave the PID namespace
 
 
 @needs_root
