@@ -52,12 +52,33 @@ def resolve_policy(cfg: RunConfig) -> Policy:
         raise ConfigError(f"scheduler.policy={cfg.scheduler.policy!r}: {exc}") from None
 
 
-def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
-              world: MPI.Intracomm = MPI.COMM_WORLD) -> FleetResult | int:
-    """Run this rank's part; the controller returns the FleetResult, cell ranks their exit code."""
+@dataclass(frozen=True)
+class FleetStart:
+    """What every rank of either fleet knows after start-up: config, cells, resume point, comms."""
+
+    run: RunDir
+    cfg: RunConfig
+    cells: tuple
+    rank: int
+    latest: Path | None
+    meta: checkpoint.CheckpointMeta | None
+    cell_comm: MPI.Intracomm
+    cells_comm: MPI.Intracomm | None
+    train_comm: MPI.Intracomm | None
+
+    @property
+    def start_step(self) -> int:
+        return self.meta.step + 1 if self.meta else 1
+
+
+def start_fleet(run_dir: str | Path, world: MPI.Intracomm,
+                check: Callable[[RunConfig], None] | None = None) -> FleetStart:
+    """The start-up both fleets share: the world fits the plan, roles resume from ``latest``."""
     torch.set_num_threads(int(os.environ.get("GYRE_TORCH_THREADS", "1")))
     run = RunDir.at(run_dir)
     cfg = load_config(run.config)
+    if check is not None:
+        check(cfg)
     if world.Get_size() != world_size(cfg.cells):
         raise ConfigError(
             f"the MPI world has {world.Get_size()} ranks; cells.count={cfg.cells.count} x "
@@ -66,21 +87,35 @@ def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
     meta = checkpoint.read_meta(latest) if latest is not None else None
     roles = {int(c): Role(r) for c, r in meta.roles.items()} if meta else None
     cells = plan_cells(cfg.cells, roles)
-    rank = world.Get_rank()
+    return FleetStart(run=run, cfg=cfg, cells=cells, rank=world.Get_rank(), latest=latest, meta=meta,
+                      cell_comm=comms.split_cell_comm(world, cells),
+                      cells_comm=comms.split_cells_comm(world, cells),
+                      train_comm=comms.split_train_comm(world, cells))
 
-    cell_comm = comms.split_cell_comm(world, cells)
-    cells_comm = comms.split_cells_comm(world, cells)
-    train_comm = comms.split_train_comm(world, cells)
+
+def open_fleet_metrics(run: RunDir) -> MetricsWriter:
+    """The controller's metrics writer; repairs a file a killed fleet left flagged as open.
+
+    Nobody else writes while the fleet starts, so reopening here is safe whoever launched us.
+    """
+    recovered = recover_unclosed(run.metrics)
+    metrics = MetricsWriter(run.metrics)
+    if recovered:
+        metrics.event("metrics_recovered", detail="previous writer died; rows copied to a fresh file")
+    return metrics
+
+
+def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
+              world: MPI.Intracomm = MPI.COMM_WORLD) -> FleetResult | int:
+    """Run this rank's part; the controller returns the FleetResult, cell ranks their exit code."""
+    fs = start_fleet(run_dir, world)
+    run, cfg, cells, rank, latest, meta = fs.run, fs.cfg, fs.cells, fs.rank, fs.latest, fs.meta
+    cell_comm, cells_comm, train_comm = fs.cell_comm, fs.cells_comm, fs.train_comm
     if rank == CONTROLLER_RANK:
         run.make()
         policy = options.policy or resolve_policy(cfg)
-        # A fleet that died (Abort, scancel) left metrics.h5 flagged as open; nobody else writes
-        # while the fleet starts, so it is safe to reopen it here whoever launched us.
-        recovered = recover_unclosed(run.metrics)
-        with MetricsWriter(run.metrics) as metrics:
-            if recovered:
-                metrics.event("metrics_recovered", detail="previous writer died; rows copied to a fresh file")
-            start = meta.step + 1 if meta else 1
+        with open_fleet_metrics(run) as metrics:
+            start = fs.start_step
             metrics.event("fleet_resume" if meta else "fleet_start", step=start,
                           detail=f"from {latest.name}" if latest else "fresh")
             ctl = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,

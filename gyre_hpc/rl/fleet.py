@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from mpi4py import MPI
 
 from gyre_hpc.cells import checkpoint, comms, weights
 from gyre_hpc.cells.cell_rank import CellRank
 from gyre_hpc.cells.engines.torch_engine import TorchEngine
-from gyre_hpc.cells.fleet import guard_world, resolve_policy
-from gyre_hpc.cells.plan import CONTROLLER_RANK, cell_of_rank, core_cell, plan_cells, world_size
-from gyre_hpc.config import ConfigError, RunConfig, load_config
+from gyre_hpc.cells.fleet import guard_world, open_fleet_metrics, resolve_policy, start_fleet
+from gyre_hpc.cells.plan import CONTROLLER_RANK, cell_of_rank, core_cell
+from gyre_hpc.config import ConfigError, RunConfig
 from gyre_hpc.rl.cell import RLCellRank
 from gyre_hpc.rl.controller import RLController, RLFleetResult, restore_step_rows
 from gyre_hpc.rl.trainer import RLTrainer
-from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import MetricsWriter
-from gyre_hpc.sched.state import Policy, Role
+from gyre_hpc.sched.state import Policy
 from gyre_hpc.trees.store import TreeStore
 
 
@@ -52,22 +48,9 @@ def check_rl_config(cfg: RunConfig) -> None:
 
 def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
                  world: MPI.Intracomm = MPI.COMM_WORLD) -> RLFleetResult | int:
-    torch.set_num_threads(int(os.environ.get("GYRE_TORCH_THREADS", "1")))
-    run = RunDir.at(run_dir)
-    cfg = load_config(run.config)
-    check_rl_config(cfg)
-    if world.Get_size() != world_size(cfg.cells):
-        raise ConfigError(
-            f"the MPI world has {world.Get_size()} ranks; cells.count={cfg.cells.count} x "
-            f"cells.ranks_per_cell={cfg.cells.ranks_per_cell} + 1 controller needs {world_size(cfg.cells)}")
-    latest = checkpoint.latest_dir(run.checkpoints)
-    meta = checkpoint.read_meta(latest) if latest is not None else None
-    roles = {int(c): Role(r) for c, r in meta.roles.items()} if meta else None
-    cells = plan_cells(cfg.cells, roles)
-    rank = world.Get_rank()
-    cell_comm = comms.split_cell_comm(world, cells)
-    cells_comm = comms.split_cells_comm(world, cells)
-    train_comm = comms.split_train_comm(world, cells)
+    fs = start_fleet(run_dir, world, check=check_rl_config)
+    run, cfg, cells, rank, latest, meta = fs.run, fs.cfg, fs.cells, fs.rank, fs.latest, fs.meta
+    cell_comm, cells_comm, train_comm = fs.cell_comm, fs.cells_comm, fs.train_comm
     # The engine service gets its own communicator so its tags meet no fleet command.
     engine_comm = world.Dup()
     version = meta.policy_version if meta else 0
@@ -75,9 +58,9 @@ def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions()
         run.make()
         policy = options.policy or resolve_policy(cfg)
         missing_rows = restore_step_rows(latest, run.metrics) if latest is not None else []
-        with MetricsWriter(run.metrics) as metrics, TreeStore.open(run.trees, "a") as store:
+        with open_fleet_metrics(run) as metrics, TreeStore.open(run.trees, "a") as store:
             metrics.append(missing_rows)
-            start = meta.step + 1 if meta else 1
+            start = fs.start_step
             trained_upto = int(meta.extra.get("trained_upto", 0)) if meta else 0
             if trained_upto > len(store):
                 raise checkpoint.CheckpointError(

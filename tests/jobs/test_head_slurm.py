@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from tests.jobs.slurm_jobs import (REPO, checkpoint_step, events, flips, fleet_step, job_info, sbatch,
+from tests.jobs.slurm_jobs import (REPO, checkpoint_step, events, flips, fleet_step, sbatch,
                                    steps, wait_for, wait_job, evidence)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
