@@ -7,7 +7,7 @@ CONFIG ?= examples/local.yaml
 NODES ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: run test quicktest install install-test install-system cluster-up cluster-down
+.PHONY: run test quicktest install install-test install-system install-mpi
 
 install:
 	scripts/install-python.sh
@@ -18,7 +18,10 @@ install-test:
 install-system:
 	scripts/install-system.sh
 
-run: install
+install-mpi:
+	scripts/install-system.sh mpi
+
+run: install-mpi install
 	$(GYRE) run $(CONFIG)
 
 # The whole suite, Slurm included. GYRE_REQUIRE_SLURM turns "cluster not up" skips into

@@ -2,8 +2,11 @@
 # System packages the Slurm tests need: Slurm 22.05 daemons and clients, munge, PMIx and
 # Open MPI from Debian. Run explicitly (the test command does); `gyre-hpc cluster up`
 # never installs anything itself, it only says what is missing.
+#   scripts/install-system.sh        everything the test suite needs
+#   scripts/install-system.sh mpi    only Open MPI (what `make run`'s local launcher needs)
 set -euo pipefail
-pkgs=(slurmctld slurmd slurm-client munge libpmix2 libpmix-dev openmpi-bin libopenmpi-dev)
+pkgs=(openmpi-bin libopenmpi-dev)
+[ "${1:-all}" = mpi ] || pkgs+=(slurmctld slurmd slurm-client munge libpmix2 libpmix-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
