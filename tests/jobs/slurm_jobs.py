@@ -50,9 +50,12 @@ def wait_for(predicate, timeout: float, what: str, job_id: str | None = None, lo
             tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
             raise AssertionError(f"job {job_id} ended while waiting for {what}\n{tail}")
         time.sleep(0.2)
+    state = ""
     if job_id:
+        info = job_info(job_id)
+        state = f" (job {job_id}: {info.get('JobState')}, reason {info.get('Reason')}, restarts {info.get('Restarts')})"
         subprocess.run(["scancel", job_id])
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{state}")
 
 
 def checkpoint_step(run_dir: Path) -> int:
