@@ -45,6 +45,39 @@ def outstanding_tokens_of(request: Request, generated: int, prefilled: bool) -> 
     return remaining + (0 if prefilled else request.prompt_len)
 
 
+class EngineBookkeeping:
+    """The state accessors every concrete engine keeps the same way.
+
+    Why a mixin and not code in ``Engine``: the interface stays abstract (an engine may hold
+    these elsewhere), while TorchEngine and VLLMEngine share one copy of the bookkeeping:
+    ``_layout``, ``_version``, ``_c`` (counter values), ``_asleep`` and ``_needs_weights``.
+    """
+
+    name: str
+    _layout: KVLayout
+    _version: int
+    _c: dict[str, int]
+    _asleep: int
+    _needs_weights: bool
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(**self._c)
+
+    def _check_usable(self, action: str) -> None:
+        if self._asleep:
+            raise EngineError(f"engine {self.name} is asleep (level {self._asleep}): wake() before {action}")
+        if self._needs_weights:
+            raise EngineError(f"engine {self.name} dropped its weights in sleep(level=2): load_weights() before {action}")
+
+
 class Engine(ABC):
     name: str
 

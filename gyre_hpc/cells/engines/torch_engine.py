@@ -29,9 +29,9 @@ from typing import Mapping
 
 import torch
 
-from gyre_hpc.cells.engines.base import Engine, EngineError, EngineLoad, outstanding_tokens_of
+from gyre_hpc.cells.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
 from gyre_hpc.cells.engines.kv_state import KVLayout, KVState, generator_from_state, generator_state
-from gyre_hpc.cells.engines.requests import EngineCounters, Output, Request, TokenEvent
+from gyre_hpc.cells.engines.requests import Output, Request, TokenEvent
 from gyre_hpc.cells.engines.sampling import sample_token
 from gyre_hpc.models.tiny_lm import TinyLM
 
@@ -54,7 +54,7 @@ class _Sequence:
         return bool(self.k)
 
 
-class TorchEngine(Engine):
+class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
                  prefill_chunk: int = 1024, seed: int = 0):
         if max_batch < 1:
@@ -87,17 +87,6 @@ class TorchEngine(Engine):
         return cls(load_pretrained(directory, dtype=dtype), **kwargs)
 
     # -- state ---------------------------------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self._layout
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    def counters(self) -> EngineCounters:
-        return EngineCounters(**self._c)
-
     def request_ids(self) -> list[str]:
         return [s.request.request_id for s in self._running] + [s.request.request_id for s in self._queue]
 
@@ -116,12 +105,6 @@ class TorchEngine(Engine):
             if s.request.request_id == request_id:
                 return s
         return None
-
-    def _check_usable(self, action: str) -> None:
-        if self._asleep:
-            raise EngineError(f"engine {self.name} is asleep (level {self._asleep}): wake() before {action}")
-        if self._needs_weights:
-            raise EngineError(f"engine {self.name} dropped its weights in sleep(level=2): load_weights() before {action}")
 
     def _check_new(self, request: Request) -> None:
         rid = request.request_id

@@ -32,9 +32,9 @@ from typing import Mapping
 
 import torch
 
-from gyre_hpc.cells.engines.base import Engine, EngineError, EngineLoad, outstanding_tokens_of
+from gyre_hpc.cells.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
 from gyre_hpc.cells.engines.kv_state import KVLayout, KVState
-from gyre_hpc.cells.engines.requests import EngineCounters, Output, Request, TokenEvent
+from gyre_hpc.cells.engines.requests import Output, Request, TokenEvent
 
 
 def _load_weights_on_worker(worker, weights) -> None:
@@ -55,7 +55,7 @@ class _Tracked:
     seed: int | None = None
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(EngineBookkeeping, Engine):
     carries_kv_cache = False
 
     def __init__(self, model_dir: str | Path, name: str = "vllm", *, version: int = 0, seed: int = 0,
@@ -82,17 +82,6 @@ class VLLMEngine(Engine):
         self._c = dict(prefill_tokens=0, decode_tokens=0, migrations_in=0, migrations_out=0, requests_finished=0)
 
     # -- state -----------------------------------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self._layout
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    def counters(self) -> EngineCounters:
-        return EngineCounters(**self._c)
-
     def request_ids(self) -> list[str]:
         return list(self._reqs)
 
@@ -103,12 +92,6 @@ class VLLMEngine(Engine):
             kv_tokens=sum(t.request.prompt_len + len(t.tokens) for t in running),
             outstanding_tokens=sum(outstanding_tokens_of(t.request, len(t.tokens), t.started)
                                    for t in self._reqs.values()))
-
-    def _check_usable(self, action: str) -> None:
-        if self._asleep:
-            raise EngineError(f"engine {self.name} is asleep (level {self._asleep}): wake() before {action}")
-        if self._needs_weights:
-            raise EngineError(f"engine {self.name} dropped its weights in sleep(level=2): load_weights() before {action}")
 
     # -- requests --------------------------------------------------------------------------
     def _add(self, request: Request, tokens: tuple[int, ...], logprobs: tuple[float, ...], migrations: int,
