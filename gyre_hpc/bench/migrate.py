@@ -33,7 +33,7 @@ DEFAULT_CONTEXTS = (1024, 8192, 32768)
 
 
 def _engine(model, name: str):
-    from gyre_hpc.cells.engines.torch_engine import TorchEngine
+    from gyre_hpc.engines.torch_engine import TorchEngine
 
     return TorchEngine(model, name=name, prefill_chunk=1024)
 
@@ -48,7 +48,7 @@ def _prompt(n: int) -> tuple[int, ...]:
 
 
 def _request(rid: str, prompt: tuple[int, ...]):
-    from gyre_hpc.cells.engines import Request, SamplingParams
+    from gyre_hpc.engines import Request, SamplingParams
 
     return Request(rid, prompt, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=()))
 
@@ -91,7 +91,7 @@ def measure(contexts: list[int], repeats: int, chunk_bytes: int, comm=None) -> d
     """The benchmark body; with ``comm`` (2 ranks) also the MPI path. Rank 0 returns the figures."""
     import torch
 
-    from gyre_hpc.cells.engines.kv_transfer import recv_kv_state, send_kv_state
+    from gyre_hpc.engines.kv_transfer import recv_kv_state, send_kv_state
     from gyre_hpc.models.tiny_lm import build_model
 
     torch.set_num_threads(1)

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gyre_hpc.cells.engines.base import Engine
-from gyre_hpc.cells.engines.requests import Output, Request, SamplingParams
+from gyre_hpc.engines.base import Engine
+from gyre_hpc.engines.requests import Output, Request, SamplingParams
 from gyre_hpc.harness.client import Completion
 
 

@@ -21,8 +21,8 @@ from mpi4py import MPI
 
 from gyre_hpc.cells import gradsync, protocol, weights
 from gyre_hpc.cells.cell_rank import CellRank
-from gyre_hpc.cells.engines.mpi_engines import serve_engine
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.mpi_engines import serve_engine
+from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.cells.plan import core_cell
 from gyre_hpc.rl import messages
 from gyre_hpc.rl.trainer import RLTrainer

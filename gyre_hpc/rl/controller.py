@@ -42,9 +42,9 @@ from mpi4py import MPI
 
 from gyre_hpc.cells import checkpoint, protocol
 from gyre_hpc.cells.controller import CHECKPOINT_AND_EXIT, EXIT_CHECKPOINTED, EXIT_DONE, Controller, FlipRecord
-from gyre_hpc.cells.engines.mpi_engines import MPIEngines
+from gyre_hpc.engines.mpi_engines import MPIEngines
 from gyre_hpc.cells.plan import Cell, core_cell, train_ranks
-from gyre_hpc.cells.router import Router
+from gyre_hpc.engines.router import Router
 from gyre_hpc.config import RunConfig
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.harness.tasks import Task

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from gyre_hpc.cells import checkpoint, comms, weights
 from gyre_hpc.cells.cell_rank import CellRank
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.cells.fleet import guard_world, open_fleet_metrics, resolve_policy, start_fleet
 from gyre_hpc.cells.plan import CONTROLLER_RANK, cell_of_rank, core_cell
 from gyre_hpc.config import ConfigError, RunConfig

@@ -19,8 +19,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from gyre_hpc.cells.engines.requests import Output, Request, SamplingParams
-from gyre_hpc.cells.router import Router
+from gyre_hpc.engines.requests import Output, Request, SamplingParams
+from gyre_hpc.engines.router import Router
 from gyre_hpc.harness.client import Completion
 from gyre_hpc.harness.engine_client import RunClient
 

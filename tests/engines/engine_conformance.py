@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_hpc.cells.engines import Engine, EngineError, KVLayout, Request, SamplingParams
-from gyre_hpc.cells.engines.kv_state import KVState
+from gyre_hpc.engines import Engine, EngineError, KVLayout, Request, SamplingParams
+from gyre_hpc.engines.kv_state import KVState
 from gyre_hpc.models.checkpoint import load_pretrained
 from gyre_hpc.models.tiny_lm import VOCAB_SIZE
 

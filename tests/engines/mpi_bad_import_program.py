@@ -11,10 +11,10 @@ import traceback
 import torch
 from mpi4py import MPI
 
-from gyre_hpc.cells.engines import EngineError, Request, SamplingParams
-from gyre_hpc.cells.engines.mpi_engines import MPIEngines, serve_engine
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
-from gyre_hpc.cells.router import Router
+from gyre_hpc.engines import EngineError, Request, SamplingParams
+from gyre_hpc.engines.mpi_engines import MPIEngines, serve_engine
+from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.router import Router
 
 
 def main() -> None:

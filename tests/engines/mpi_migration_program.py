@@ -16,10 +16,10 @@ import traceback
 
 import torch
 
-from gyre_hpc.cells.engines import EngineError, Request, SamplingParams
-from gyre_hpc.cells.engines.mpi_engines import MPIEngines, serve_engine
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
-from gyre_hpc.cells.router import Router
+from gyre_hpc.engines import EngineError, Request, SamplingParams
+from gyre_hpc.engines.mpi_engines import MPIEngines, serve_engine
+from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.router import Router
 from gyre_hpc.models.checkpoint import load_pretrained
 
 MAX_NEW = 96

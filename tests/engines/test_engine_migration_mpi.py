@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre_hpc.cells.engines import Request, SamplingParams
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.engines import Request, SamplingParams
+from gyre_hpc.engines.torch_engine import TorchEngine
 
 from engine_helpers import prompt
 from mpi_migration_program import MAX_NEW, requests

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from gyre_hpc.cells.engines import Request
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
-from gyre_hpc.cells.router import InProcessEngines, Router
+from gyre_hpc.engines import Request
+from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.router import InProcessEngines, Router
 
 from engine_conformance import greedy, sampled
 from engine_helpers import prompt

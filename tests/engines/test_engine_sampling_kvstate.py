@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_hpc.cells.engines import KVLayout, KVState, Request, SamplingParams
-from gyre_hpc.cells.engines.kv_state import alloc_wire, from_wire, generator_from_state, generator_state, to_wire
-from gyre_hpc.cells.engines.sampling import sample_token, sampling_probs
+from gyre_hpc.engines import KVLayout, KVState, Request, SamplingParams
+from gyre_hpc.engines.kv_state import alloc_wire, from_wire, generator_from_state, generator_state, to_wire
+from gyre_hpc.engines.sampling import sample_token, sampling_probs
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
 

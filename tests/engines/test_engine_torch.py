@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_hpc.cells.engines import Request
-from gyre_hpc.cells.engines.kv_state import KVState
-from gyre_hpc.cells.engines.sampling import sample_token
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.engines import Request
+from gyre_hpc.engines.kv_state import KVState
+from gyre_hpc.engines.sampling import sample_token
+from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.models.checkpoint import load_pretrained
 
 from engine_conformance import EngineConformance, full_recompute, greedy, run_all, sampled, step_until

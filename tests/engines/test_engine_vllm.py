@@ -8,7 +8,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[vllm
 
 from engine_conformance import EngineConformance  # noqa: E402
 
-from gyre_hpc.cells.engines.vllm_engine import VLLMEngine  # noqa: E402
+from gyre_hpc.engines.vllm_engine import VLLMEngine  # noqa: E402
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.harness.engine_client import EngineDriver
 from gyre_hpc.harness.journal import load_journal
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from gyre_hpc.cells.engines.torch_engine import TorchEngine
-from gyre_hpc.cells.router import InProcessEngines, Router
+from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.router import InProcessEngines, Router
 from gyre_hpc.config import ConfigError, build_config
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import Task, TaskTest, load_suite

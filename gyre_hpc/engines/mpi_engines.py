@@ -31,10 +31,10 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
-from gyre_hpc.cells.engines.base import Engine, EngineError
-from gyre_hpc.cells.engines.kv_transfer import recv_kv_state, send_kv_state
-from gyre_hpc.cells.engines.requests import Request
-from gyre_hpc.cells.router import EngineReport, MigrationResult
+from gyre_hpc.engines.base import Engine, EngineError
+from gyre_hpc.engines.kv_transfer import recv_kv_state, send_kv_state
+from gyre_hpc.engines.requests import Request
+from gyre_hpc.engines.router import EngineReport, MigrationResult
 
 CMD_TAG = 7001   # controller -> engine
 UP_TAG = 7002    # engine -> controller: ("events", events, outputs) or ("reply", op, payload)

@@ -3,7 +3,7 @@ migrating its in-flight sequences, KV cache included, to the others.
 
 The router lives on the controller rank and owns the routing decisions; the engines may
 live in the same process (``InProcessEngines``: tests, benchmarks, a laptop) or in cell
-ranks (``gyre_hpc.cells.engines.mpi_engines.MPIEngines``). Both implement the small
+ranks (``gyre_hpc.engines.mpi_engines.MPIEngines``). Both implement the small
 ``EngineTransport`` protocol, so the decisions below are the same code either way.
 
 Load is measured in outstanding tokens (``outstanding_tokens_of``: prompt tokens not yet
@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol
 
-from gyre_hpc.cells.engines.base import Engine, outstanding_tokens_of
-from gyre_hpc.cells.engines.requests import Output, Request, TokenEvent
+from gyre_hpc.engines.base import Engine, outstanding_tokens_of
+from gyre_hpc.engines.requests import Output, Request, TokenEvent
 
 
 @dataclass(frozen=True)

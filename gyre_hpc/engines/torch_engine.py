@@ -29,10 +29,10 @@ from typing import Mapping
 
 import torch
 
-from gyre_hpc.cells.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
-from gyre_hpc.cells.engines.kv_state import KVLayout, KVState, generator_from_state, generator_state
-from gyre_hpc.cells.engines.requests import Output, Request, TokenEvent
-from gyre_hpc.cells.engines.sampling import sample_token
+from gyre_hpc.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
+from gyre_hpc.engines.kv_state import KVLayout, KVState, generator_from_state, generator_state
+from gyre_hpc.engines.requests import Output, Request, TokenEvent
+from gyre_hpc.engines.sampling import sample_token
 from gyre_hpc.models.tiny_lm import TinyLM
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gyre_hpc.cells.engines.requests import Request, SamplingParams
+from gyre_hpc.engines.requests import Request, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from typing import Mapping
 
 import torch
 
-from gyre_hpc.cells.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
-from gyre_hpc.cells.engines.kv_state import KVLayout, KVState
-from gyre_hpc.cells.engines.requests import Output, Request, TokenEvent
+from gyre_hpc.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
+from gyre_hpc.engines.kv_state import KVLayout, KVState
+from gyre_hpc.engines.requests import Output, Request, TokenEvent
 
 
 def _load_weights_on_worker(worker, weights) -> None:

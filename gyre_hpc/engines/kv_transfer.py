@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gyre_hpc.cells.engines.kv_state import KVState, alloc_wire, from_wire, to_wire
+from gyre_hpc.engines.kv_state import KVState, alloc_wire, from_wire, to_wire
 
 KV_HEADER_TAG = 7101
 KV_DATA_TAG = 7102

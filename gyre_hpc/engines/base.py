@@ -17,8 +17,8 @@ from typing import Mapping
 
 import torch
 
-from gyre_hpc.cells.engines.kv_state import KVLayout, KVState
-from gyre_hpc.cells.engines.requests import EngineCounters, Output, Request, TokenEvent
+from gyre_hpc.engines.kv_state import KVLayout, KVState
+from gyre_hpc.engines.requests import EngineCounters, Output, Request, TokenEvent
 
 
 class EngineError(RuntimeError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gyre_hpc.cells.engines.requests import SamplingParams
+from gyre_hpc.engines.requests import SamplingParams
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
