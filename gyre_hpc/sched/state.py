@@ -33,6 +33,11 @@ class CellState:
     inflight_tokens: int = 0          # KV tokens held by those requests
     rollout_tokens_per_s: float = 0.0  # measured decode throughput as an engine
     train_tokens_per_s: float = 0.0    # measured training throughput as a replica
+    # In-flight requests on this engine that belong to the runs expected to finish last
+    # (the caller ranks unfinished runs by expected remaining time and marks the top ones).
+    # A release must leave those runs a lightly loaded engine: the tail sets the step time.
+    tail_requests: int = 0
+    kv_capacity_tokens: int = 0        # KV-cache tokens this engine can hold (0 = unknown)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ class ClusterState:
     train_backlog_tokens: int = 0     # trajectory tokens stored but not yet trained
     policy_version: int = 0           # trainer's newest weights
     oldest_rollout_version: int = 0   # policy version of the oldest unfinished run
+    # How long queued work has continuously exceeded what the serving engines hold, as the
+    # caller measured it (wall clock in the runtime, simulated time in the simulator), taken
+    # *after* the caller dispatched what it could: a call queued for the instant before
+    # dispatch is not demand. Reclaims need this to reach the policy's hysteresis interval.
+    demand_over_capacity_s: float = 0.0
+    # Runs still unfinished whose requests the caller counts as the tail (see tail_requests).
+    tail_runs: int = 0
     rollout_to_train_s: float = 8.5   # measured (or configured) switch costs
     train_to_rollout_s: float = 3.5
 
