@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gyre_hpc.sched.registry import POLICY_NAMES  # the one list of policy names
+
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field (and the valid choices)."""
@@ -50,7 +52,7 @@ class CellPlan(_Section):
 
 
 class SchedulerConfig(_Section):
-    policy: Literal["elastic", "colocate", "async", "scripted"] = "elastic"
+    policy: Literal[POLICY_NAMES] = "elastic"  # type: ignore[valid-type]  # names from gyre_hpc.sched.registry
     # async: how many cells train (core included) in the fixed split.
     async_train_cells: int = Field(1, ge=1)
     max_staleness: int = Field(1, ge=0, description="policy versions a rollout may lag the trainer")

@@ -18,8 +18,10 @@ from gyre_hpc.sched.state import CellKind, ClusterState, Role, RoleChange
 
 @dataclass(frozen=True)
 class AsyncSplitPolicy:
-    # Cells that train, the core cell included (config: scheduler.async_train_cells).
-    train_cells: int = 1
+    # Cells that train, the core cell included (config: scheduler.async_train_cells). An
+    # explicit input with no default: the split decides async's speed, and a split tuned
+    # by the simulator is a different baseline from the one a user configures.
+    train_cells: int
     max_staleness: int = 1
 
     def __post_init__(self) -> None:
@@ -49,5 +51,6 @@ class AsyncSplitPolicy:
                 continue
             want = Role.TRAIN if c.cell in train else Role.ROLLOUT
             if c.role is not want:
-                changes.append(RoleChange(c.cell, want, f"async split: {len(train)} train cells"))
+                changes.append(RoleChange(
+                    c.cell, want, f"async split: {len(train)} of {len(state.cells)} cells train, the rest roll out"))
         return changes

@@ -1,13 +1,18 @@
 """The elastic policy: engines that the rollout tail no longer needs train instead.
 
 Long-horizon agent runs have heavy-tailed durations, so late in a rollout batch a few
-runs keep the batch open while most engines sit idle. Finished runs (their whole
-advantage group, in fact) are already trainable, so those idle engines are released to
-the training communicator and train the backlog while the tail finishes; when the next
-batch queues requests, idle replicas are reclaimed as engines.
+runs keep the batch open while most engines sit nearly idle. Finished runs (their whole
+advantage group, in fact) are already trainable, so engines are released to the running
+training step *while runs are still in flight* as soon as the unfinished work fits fewer
+engines at the target occupancy; their in-flight requests migrate (with their KV cache)
+to the engines that stay. Replicas come back only when queued work has exceeded serving
+capacity for a sustained interval (``reclaim_after_s``), so a call queued for the instant
+before dispatch never pulls a cell back, and a cell released in one decision is not
+reclaimed by the next unless demand has been sustained.
 
-Release and reclaim use different thresholds (``fill`` < 1) so a cell released because
-the work fits is not reclaimed by the very next decision.
+The runs that decide the step (the tail: the ones expected to finish last) are protected:
+an engine holding tail requests is never released, and the tail must still find a lightly
+loaded engine among those that remain, so a release never slows the slowest run.
 """
 from __future__ import annotations
 
@@ -17,33 +22,36 @@ from dataclasses import dataclass
 from gyre_hpc.sched.capacity import (
     arriving_engines, flippable, rollout_demand, serving_engines, train_rate, trainers_rate,
 )
-from gyre_hpc.sched.state import ClusterState, Role, RoleChange
+from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 
 
 @dataclass(frozen=True)
 class ElasticParams:
     # Requests one engine holds while each sequence still decodes near its single-sequence
-    # speed. Past it, batching makes every sequence slower, and the tail runs (the ones that
-    # set the step time) are exactly the ones that would pay. The simulator derives it from
-    # its throughput curve; a real fleet sets it from the engine benchmark.
+    # speed (the target occupancy). Past it, batching makes every sequence slower, and the
+    # tail runs are exactly the ones that would pay. The simulator derives it from its
+    # throughput curve; a real fleet sets it from the engine benchmark.
     target_requests_per_engine: int = 16
-    # KV-cache tokens one engine holds; when set (> 0), release only while the tokens in
-    # flight fit the remaining engines at `fill` of it, since migrated sequences bring their
-    # KV cache along. 0: engines report no KV capacity, requests are the only measure.
+    # KV-cache tokens one engine holds, for cells that report none themselves
+    # (``CellState.kv_capacity_tokens == 0``). 0: no KV check for such cells.
     kv_tokens_per_engine: int = 0
-    # Release only while the remaining engines would be at most this full (of the target):
-    # headroom for runs coming back from a tool call, and the gap that stops flapping.
+    # Release only while the remaining engines would be at most this full (of the target
+    # and of their KV capacity): headroom for runs coming back from a tool call.
     fill: float = 0.8
+    # Requests a tail run may share its engine with and still count as lightly loaded
+    # (its own request included): the remaining engines must offer the tail this.
+    tail_engine_requests: int = 2
     # Release only if it shortens the training of the waiting backlog by more than this
-    # many switches back (train->rollout): the cells arrive after rollout_to_train_s, and
-    # must return before the next batch. A backlog the replicas finish alone before the
-    # switch would end is never worth a release.
+    # many switches back (train->rollout).
     return_cost_weight: float = 1.0
-    # Reclaim replicas for waiting rollout work only while the training backlog would take
-    # the current replicas less than this long: a large backlog means they are not idle.
-    reclaim_backlog_s: float = 30.0
-    # Training tokens/s assumed for a cell that has never trained (its figure is 0).
-    default_train_tokens_per_s: float = 1.0
+    # Hysteresis: reclaim replicas only once queued work has exceeded serving capacity
+    # continuously for this long (``ClusterState.demand_over_capacity_s``).
+    reclaim_after_s: float = 30.0
+    # A PRIOR for a cell's training tokens/s until it has been measured
+    # (``CellState.train_tokens_per_s == 0``). The caller sets it from a measurement
+    # (``bench switch``, the first micro-batch, or the simulator's workload); the default
+    # is the order of one 8-GPU node training a ~7B model on long sequences.
+    default_train_tokens_per_s: float = 2000.0
     # Versions a rollout may lag the trainer; elastic is on-policy.
     max_staleness: int = 0
 
@@ -54,12 +62,21 @@ class ElasticParams:
             raise ValueError(f"elastic target_requests_per_engine={self.target_requests_per_engine}: must be >= 1")
         if not 0 < self.fill <= 1:
             raise ValueError(f"elastic fill={self.fill}: must be in (0, 1]")
-        if self.return_cost_weight < 0 or self.reclaim_backlog_s < 0:
-            raise ValueError("elastic return_cost_weight and reclaim_backlog_s must be >= 0")
+        if self.tail_engine_requests < 1:
+            raise ValueError(f"elastic tail_engine_requests={self.tail_engine_requests}: must be >= 1")
+        if self.return_cost_weight < 0:
+            raise ValueError(f"elastic return_cost_weight={self.return_cost_weight}: must be >= 0")
+        if self.reclaim_after_s < 0:
+            raise ValueError(f"elastic reclaim_after_s={self.reclaim_after_s}: must be >= 0")
         if self.default_train_tokens_per_s <= 0:
             raise ValueError(f"elastic default_train_tokens_per_s={self.default_train_tokens_per_s}: must be > 0")
         if self.max_staleness < 0:
             raise ValueError(f"elastic max_staleness={self.max_staleness}: must be >= 0")
+
+
+def kv_capacity(cell: CellState, fallback: int) -> int:
+    """KV tokens a cell's engine holds: its own report, else the configured figure (0 = unknown)."""
+    return cell.kv_capacity_tokens if cell.kv_capacity_tokens > 0 else fallback
 
 
 @dataclass(frozen=True)
@@ -78,47 +95,71 @@ class ElasticPolicy:
 
     def _reclaim(self, state: ClusterState) -> list[RoleChange]:
         p = self.params
-        demand = rollout_demand(state)
-        engines = len(arriving_engines(state))
-        if state.queued_requests == 0 and demand <= p.target_requests_per_engine * engines:
-            return []
         candidates = flippable(state, Role.TRAIN)
+        demand = rollout_demand(state)
         if not candidates or demand == 0:
             return []
-        rate = trainers_rate(state, p.default_train_tokens_per_s)
-        backlog_s = state.train_backlog_tokens / rate if rate > 0 else math.inf
+        engines = len(arriving_engines(state))
         # Highest id first: the order is fixed so that replays of a run decide the same way.
         candidates = sorted(candidates, key=lambda c: -c.cell)
-        if backlog_s <= p.reclaim_backlog_s:
-            # The replicas have (almost) nothing to train: every one of them is better used
-            # as an engine, where it lowers each engine's batch and so speeds every run.
-            picked = candidates
-            why = f"rollout demand {demand} > {engines} engines x {p.target_requests_per_engine}, backlog {backlog_s:.0f}s"
-        else:
-            need = math.ceil(demand / p.target_requests_per_engine) - engines
-            picked = candidates[:max(need, 0)]
-            why = f"rollout demand {demand} needs {need} more engines; backlog {backlog_s:.0f}s keeps the rest"
+        need = math.ceil(demand / p.target_requests_per_engine) - engines
+        if engines == 0:
+            # No engine at all, none coming: not a question of capacity, the runs cannot
+            # proceed. This is the start of a batch after everything trained.
+            picked = candidates[:max(need, 1)]
+            why = (f"{demand} requests and runs waiting, no engine serving or arriving: "
+                   f"{len(picked)} of {len(candidates)} replicas become engines "
+                   f"({p.target_requests_per_engine} requests each)")
+            return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
+        if state.queued_requests == 0 or state.demand_over_capacity_s < p.reclaim_after_s or need <= 0:
+            return []
+        picked = candidates[:need]
+        why = (f"{state.queued_requests} requests queued, demand above capacity for "
+               f"{state.demand_over_capacity_s:.0f}s >= {p.reclaim_after_s:.0f}s; demand {demand} > "
+               f"{engines} engines x {p.target_requests_per_engine}: {len(picked)} more engines")
         return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
+
+    def _fits(self, state: ClusterState, remaining: list[CellState], demand: int) -> bool:
+        """Whether ``demand`` fits ``remaining`` engines at ``fill`` of their target and of
+        their KV capacity, with the tail's requests each on a lightly loaded engine."""
+        p = self.params
+        n = len(remaining)
+        if demand > p.fill * p.target_requests_per_engine * n:
+            return False
+        caps = [kv_capacity(c, p.kv_tokens_per_engine) for c in remaining]
+        if all(caps) and state.tokens_inflight > p.fill * sum(caps):
+            return False
+        if state.tail_runs > 0:
+            # Tail runs, each on an engine with at most `tail_engine_requests` requests: they
+            # take ceil(tail / light) engines, and the rest of the demand must fit the others.
+            light = p.tail_engine_requests
+            tail_engines = math.ceil(state.tail_runs / light)
+            rest = demand - min(state.tail_runs, demand)
+            spare = tail_engines * light - state.tail_runs
+            if tail_engines > n or rest - spare > p.fill * p.target_requests_per_engine * (n - tail_engines):
+                return False
+        return True
 
     def _release(self, state: ClusterState) -> list[RoleChange]:
         p = self.params
         if state.queued_requests > 0:
             return []
         demand = rollout_demand(state)
-        engines = len(serving_engines(state))
+        serving = serving_engines(state)
+        # Never a cell whose engine holds tail requests: migrating them slows the slowest run.
         # Fewest in-flight requests first (least KV to migrate), then highest id.
-        candidates = sorted(flippable(state, Role.ROLLOUT), key=lambda c: (c.inflight_requests, -c.cell))
-        picked = []
+        candidates = sorted((c for c in flippable(state, Role.ROLLOUT) if c.tail_requests == 0),
+                            key=lambda c: (c.inflight_requests, -c.cell))
+        remaining = list(serving)
+        picked: list[CellState] = []
         for c in candidates:
-            after = engines - 1
-            if state.unfinished_runs > 0 and after < 1:
+            after = [x for x in remaining if x.cell != c.cell]
+            if state.unfinished_runs > 0 and not after:
                 break  # the last engine stays while any run can still call the model
-            if demand > p.fill * p.target_requests_per_engine * after:
-                break
-            if p.kv_tokens_per_engine and state.tokens_inflight > p.fill * p.kv_tokens_per_engine * after:
+            if state.unfinished_runs > 0 and not self._fits(state, after, demand):
                 break
             picked.append(c)
-            engines = after
+            remaining = after
         if not picked:
             return []
         # Worth it? Time to train the waiting backlog with the replicas there now, against
@@ -134,6 +175,9 @@ class ElasticPolicy:
         joined_s = state.rollout_to_train_s + left / (rate + added)
         if joined_s + p.return_cost_weight * state.train_to_rollout_s >= alone_s:
             return []
-        why = (f"demand {demand} fits {engines} engines; backlog {backlog} tokens trains in "
-               f"{joined_s:.0f}s instead of {alone_s:.0f}s")
+        n = len(remaining)
+        why = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine} each"
+               + (f", tail of {state.tail_runs} runs kept light" if state.tail_runs else "")
+               + f"); backlog {backlog} tokens trains in {joined_s:.0f}s instead of "
+               + ("never" if math.isinf(alone_s) else f"{alone_s:.0f}s"))
         return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 from gyre_hpc.sched.state import Policy
 
+# THE list of policy names: the run config validates ``scheduler.policy`` against it and
+# the simulator and benchmarks take their names from it.
 # name -> "module:factory"; factory(**params) -> Policy
 POLICIES: dict[str, str] = {
     "elastic": "gyre_hpc.sched.registry:_elastic",
@@ -21,6 +23,7 @@ POLICIES: dict[str, str] = {
     "async": "gyre_hpc.sched.async_split:AsyncSplitPolicy",
     "scripted": "gyre_hpc.sched.scripted:make_policy",
 }
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 
 def _elastic(**params: Any) -> Policy:
@@ -31,7 +34,12 @@ def _elastic(**params: Any) -> Policy:
 
 def _check_params(name: str, factory: Callable[..., Any], params: dict[str, Any]) -> None:
     if dataclasses.is_dataclass(factory):
-        valid = sorted(f.name for f in dataclasses.fields(factory))
+        fields = dataclasses.fields(factory)
+        valid = sorted(f.name for f in fields)
+        missing = sorted(f.name for f in fields if f.name not in params and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"policy {name!r} needs {', '.join(missing)} (no default: an explicit input)")
     else:
         sig = inspect.signature(factory)
         if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):

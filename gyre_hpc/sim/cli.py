@@ -1,11 +1,11 @@
 """``gyre-hpc sim``: simulate the three policies on one workload, or sweep where elastic pays."""
 from __future__ import annotations
 
-import click
-
-from gyre_hpc.bench import emit
 from pathlib import Path
 
+import click
+
+from gyre_hpc.report import emit
 from gyre_hpc.sim.workload import PRESETS, WorkloadError, load_workload, override
 
 

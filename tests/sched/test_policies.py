@@ -1,6 +1,8 @@
 """Each policy's decisions pinned on hand-built cluster states."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gyre_hpc.sched.async_split import AsyncSplitPolicy
@@ -92,15 +94,73 @@ def test_elastic_does_not_release_when_backlog_is_shorter_than_the_switch():
     assert ELASTIC(s) == []
 
 
-def test_elastic_reclaims_train_cells_when_queue_grows_and_backlog_is_low():
+def test_elastic_reclaims_at_once_when_no_engine_serves_or_arrives():
+    # A new batch after everything trained: nothing can serve it, so no hysteresis applies.
     s = state("TTTT", unfinished_runs=12, queued_requests=12, train_backlog_tokens=0)
-    assert flips(ELASTIC(s)) == {1: R, 2: R, 3: R}
+    got = ELASTIC(s)
+    assert flips(got) == {1: R, 2: R, 3: R}
+    assert "no engine serving or arriving" in got[0].reason
 
 
-def test_elastic_reclaims_only_what_the_queue_needs_while_backlog_is_high():
-    # 6 requests waiting, 1 engine (target 4): one more engine is needed; the rest keep training.
-    s = state("TRTTT", inflight={1: 4}, queued_requests=2, unfinished_runs=6, train_backlog_tokens=BIG_BACKLOG)
-    assert flips(ELASTIC(s)) == {4: R}
+def test_elastic_reclaims_only_after_demand_is_sustained_for_reclaim_after_s():
+    # 6 requests waiting, 1 engine (target 4): one more engine is needed, but only once the
+    # queue has outlasted the hysteresis interval; the rest keep training.
+    p = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=1.0, reclaim_after_s=30.0))
+    kw = dict(inflight={1: 4}, queued_requests=2, unfinished_runs=6, train_backlog_tokens=BIG_BACKLOG)
+    assert p(state("TRTTT", demand_over_capacity_s=0.0, **kw)) == []     # queued for an instant
+    assert p(state("TRTTT", demand_over_capacity_s=29.0, **kw)) == []
+    got = p(state("TRTTT", demand_over_capacity_s=30.0, **kw))
+    assert flips(got) == {4: R}
+    assert "demand 6 > 1 engines x 4" in got[0].reason and "30s >= 30s" in got[0].reason
+
+
+def test_elastic_reclaim_reason_is_true():
+    # The old policy printed "demand 5 > 1 engines x 16" for demand that fitted: every figure
+    # in a reason must hold. With demand within capacity there is no reclaim at all.
+    p = ElasticPolicy(ElasticParams(target_requests_per_engine=16, reclaim_after_s=0.0))
+    s = state("TRTT", inflight={1: 4}, queued_requests=1, unfinished_runs=5, demand_over_capacity_s=100.0,
+              train_backlog_tokens=0)
+    assert p(s) == []
+
+
+def test_elastic_releases_while_runs_are_in_flight_not_only_when_all_are_done():
+    # 20 runs still decoding over 5 engines of target 8 (fill 0.8 -> 6.4 each): they fit 4.
+    p = ElasticPolicy(ElasticParams(target_requests_per_engine=8, fill=0.8))
+    s = state("TRRRRR", inflight={1: 4, 2: 4, 3: 4, 4: 4, 5: 4}, train_backlog_tokens=BIG_BACKLOG)
+    got = flips(p(s))
+    assert list(got.values()) == [T] and len(got) == 1
+    assert s.unfinished_runs == 20
+
+
+def test_elastic_never_releases_an_engine_holding_tail_requests():
+    # Cell 2 holds the fewest requests but also the run expected to finish last: cell 3 goes.
+    base = cells("TRRR", inflight={1: 3, 2: 1, 3: 2})
+    tailed = tuple(CellState(**{**c.__dict__, "tail_requests": 1}) if c.cell == 2 else c for c in base)
+    s = ClusterState(time=0.0, step=0, cells=tailed, unfinished_runs=6, inflight_requests=6, tail_runs=1,
+                     train_backlog_tokens=BIG_BACKLOG)
+    assert flips(ELASTIC(s)) == {3: T}
+
+
+def test_elastic_keeps_a_lightly_loaded_engine_for_the_tail():
+    # 7 requests fit 2 engines of 4, but then the tail run shares an engine with 3 others;
+    # with tail_engine_requests=1 the tail needs an engine of its own, so 3 engines stay.
+    p = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=1.0, tail_engine_requests=1))
+    s = state("TRRRR", inflight={1: 3, 2: 2, 3: 2, 4: 0}, tail_runs=1, train_backlog_tokens=BIG_BACKLOG)
+    assert len(p(s)) == 1
+    assert len(p(dataclasses.replace(s, tail_runs=0))) == 2
+
+
+def test_elastic_checks_each_cells_own_kv_capacity():
+    # Requests fit 1 engine, but 3000 KV tokens in flight need 2 engines of 2000 each.
+    base = cells("TRRR", inflight={1: 1, 2: 1, 3: 0})
+    kv = tuple(CellState(**{**c.__dict__, "kv_capacity_tokens": 2000}) for c in base)
+    s = ClusterState(time=0.0, step=0, cells=kv, unfinished_runs=2, inflight_requests=2, tokens_inflight=3000,
+                     train_backlog_tokens=BIG_BACKLOG)
+    assert len(ELASTIC(s)) == 1
+
+
+def test_elastic_default_train_rate_is_a_sane_prior():
+    assert ElasticParams().default_train_tokens_per_s >= 100.0
 
 
 def test_elastic_never_flips_core_rollout_only_or_switching_cells():
@@ -111,7 +171,8 @@ def test_elastic_never_flips_core_rollout_only_or_switching_cells():
 
 
 def test_elastic_release_and_reclaim_do_not_flap():
-    # After a release, the state the policy sees next must not trigger a reclaim.
+    # After a release, the state the policy sees next must not trigger a reclaim, even with
+    # a call queued for the instant before dispatch (demand not sustained).
     p = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=0.8))
     s = state("TRRRR", inflight={1: 3, 2: 3, 3: 0, 4: 0}, train_backlog_tokens=BIG_BACKLOG)
     released = flips(p(s))
@@ -119,6 +180,8 @@ def test_elastic_release_and_reclaim_do_not_flap():
     roles = "".join("T" if i == 0 or i in released else "R" for i in range(5))
     after = state(roles, inflight={1: 3, 2: 3}, train_backlog_tokens=BIG_BACKLOG)
     assert p(after) == []
+    blip = state(roles, inflight={1: 4, 2: 4}, queued_requests=1, unfinished_runs=9, train_backlog_tokens=BIG_BACKLOG)
+    assert p(blip) == []
 
 
 def test_elastic_params_reject_bad_values_by_name():
@@ -190,7 +253,18 @@ def test_registry_builds_policies_and_lists_valid_names():
     with pytest.raises(ValueError, match="valid policies: async, colocate, elastic, scripted"):
         get_policy("greedy")
     with pytest.raises(ValueError, match="valid parameters: max_staleness, train_cells"):
-        get_policy("async", split=3)
+        get_policy("async", train_cells=2, split=3)
+    with pytest.raises(ValueError, match="'async' needs train_cells"):
+        get_policy("async")
+
+
+def test_config_validates_policy_names_against_the_registry():
+    from gyre_hpc.config import ConfigError, build_config
+    from gyre_hpc.sched.registry import POLICY_NAMES
+    for name in POLICY_NAMES:
+        assert build_config({"scheduler": {"policy": name}}).scheduler.policy == name
+    with pytest.raises(ConfigError, match="scheduler.policy"):
+        build_config({"scheduler": {"policy": "greedy"}})
 
 
 def test_policy_from_config_uses_the_scheduler_section():
