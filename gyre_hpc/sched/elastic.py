@@ -8,7 +8,9 @@ engines at the target occupancy; their in-flight requests migrate (with their KV
 to the engines that stay. Replicas come back only when queued work has exceeded serving
 capacity for a sustained interval (``reclaim_after_s``), so a call queued for the instant
 before dispatch never pulls a cell back, and a cell released in one decision is not
-reclaimed by the next unless demand has been sustained.
+reclaimed by the next unless demand has been sustained. Capacity here is what the engines
+hold at the target occupancy (``target_requests_per_engine`` each), which is what the
+caller compares its demand against when it measures ``demand_over_capacity_s``.
 
 The runs that decide the step (the tail: the ones expected to finish last) are protected:
 an engine holding tail requests is never released, and the tail must still find a lightly
@@ -111,12 +113,12 @@ class ElasticPolicy:
                    f"{len(picked)} of {len(candidates)} replicas become engines "
                    f"({p.target_requests_per_engine} requests each)")
             return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
-        if state.queued_requests == 0 or state.demand_over_capacity_s < p.reclaim_after_s or need <= 0:
+        if need <= 0 or state.demand_over_capacity_s < p.reclaim_after_s:
             return []
         picked = candidates[:need]
-        why = (f"{state.queued_requests} requests queued, demand above capacity for "
-               f"{state.demand_over_capacity_s:.0f}s >= {p.reclaim_after_s:.0f}s; demand {demand} > "
-               f"{engines} engines x {p.target_requests_per_engine}: {len(picked)} more engines")
+        why = (f"demand above capacity for {state.demand_over_capacity_s:.0f}s >= {p.reclaim_after_s:.0f}s: "
+               f"demand {demand} > {engines} engines x {p.target_requests_per_engine}, "
+               f"{len(picked)} more engines")
         return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
 
     def _fits(self, state: ClusterState, remaining: list[CellState], demand: int) -> bool:

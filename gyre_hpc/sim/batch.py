@@ -7,6 +7,7 @@ policy's doing, not a luckier draw of run lengths.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -22,13 +23,20 @@ class Batch:
     ctx: list[list[float]]     # per run, per simulated call: context length while it decodes (KV held)
     group: list[int]           # per run: its task (advantage group) within the batch
     calls: list[int]           # per run: model calls before coarsening
+    # per run, per simulated call: seconds from the start of that call to the run's end with
+    # a whole engine to itself (single-stream decode, tool time between calls). The tail
+    # ranking's expected remaining time, and [i][0] is the run's critical path.
+    rest_s: list[list[float]]
 
     @property
     def runs(self) -> int:
         return len(self.work)
 
 
+@lru_cache(maxsize=512)
 def sample_batch(w: Workload, step: int) -> Batch:
+    """The batch of step ``step`` (cached: the policies of one comparison share it; treat it
+    as read-only)."""
     r, e = w.run, w.engine
     rng = np.random.default_rng([w.seed, step])
     n_runs = r.runs_per_step
@@ -38,14 +46,17 @@ def sample_batch(w: Workload, step: int) -> Batch:
     ctx_new = r.context_tokens.sample(rng, total)
     tool = r.tool_s.sample(rng, total)
     prefill_equiv = e.single_seq_tokens_per_s / e.prefill_tokens_per_s
-    work = out + prefill_equiv * ctx_new
     tokens = out + ctx_new
+    first_call = np.concatenate([[0], np.cumsum(calls)[:-1]])
+    # Context while a call decodes: everything before it, its new prompt, half its output.
+    run_offset = np.repeat(np.concatenate([[0.0], np.cumsum(tokens)])[first_call], calls)
+    decode_ctx = np.cumsum(tokens) - run_offset - out / 2
+    work = out * e.decode_slowdown(decode_ctx) + prefill_equiv * ctx_new
 
     # Merge every `coarsen` consecutive calls of a run into one simulated call: sums keep
     # each run's decode work, tokens and tool time, so run lengths and their tail are kept.
     m = r.coarsen
     blocks = -(-calls // m)
-    first_call = np.concatenate([[0], np.cumsum(calls)[:-1]])
     local = np.arange(total) - np.repeat(first_call, calls)
     first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]])
     key = np.repeat(first_block, calls) + local // m
@@ -57,5 +68,11 @@ def sample_batch(w: Workload, step: int) -> Batch:
 
     tok_blocks = per_block(tokens)
     ctx = [np.cumsum(t).tolist() for t in tok_blocks]
-    return Batch(step=step, work=per_block(work), tool_s=per_block(tool), tokens=tok_blocks, ctx=ctx,
-                 group=(np.arange(n_runs) // r.runs_per_task).tolist(), calls=calls.tolist())
+    work_blocks, tool_blocks = per_block(work), per_block(tool)
+    rest = []
+    for wb, tb in zip(work_blocks, tool_blocks):
+        # no tool time after the last call: the run ends with it
+        serial = np.asarray(wb) / e.single_seq_tokens_per_s + np.concatenate([tb[:-1], [0.0]])
+        rest.append(np.cumsum(serial[::-1])[::-1].tolist())
+    return Batch(step=step, work=work_blocks, tool_s=tool_blocks, tokens=tok_blocks, ctx=ctx,
+                 group=(np.arange(n_runs) // r.runs_per_task).tolist(), calls=calls.tolist(), rest_s=rest)

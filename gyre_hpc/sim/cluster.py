@@ -13,6 +13,7 @@ policy the runtime calls; the changes it returns are applied with their switch c
 from __future__ import annotations
 
 import heapq
+import math
 import time as wallclock
 from collections import deque
 
@@ -36,7 +37,7 @@ class SimError(RuntimeError):
 
 
 class _Engine:
-    __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx")
+    __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx", "seq_s", "kv_s")
 
     def __init__(self) -> None:
         self.clock = 0.0      # tokens each resident sequence has been served
@@ -45,6 +46,8 @@ class _Engine:
         self.stamp = 0        # invalidates this engine's pending completion event
         self.load_stamp = 0   # invalidates its entries in the least-loaded heap
         self.ctx = 0.0        # KV tokens held
+        self.seq_s = 0.0      # integral of resident sequences over time (slot occupancy)
+        self.kv_s = 0.0       # integral of KV tokens held over time
 
 
 class _Cell:
@@ -66,6 +69,8 @@ class FleetSim:
             for i in range(1, f.cells)]
         self.engines = [_Engine() for _ in self.cells]
         self.per_seq = [e.per_seq_tokens_per_s(n) for n in range(e.max_seqs + 2)]
+        self.kv_cap = e.kv_capacity_tokens()
+        self.max_active = w.run.max_concurrent_runs or w.run.runs_per_step
         self.events: list[tuple] = []
         self.seq = 0
         self.now = 0.0
@@ -81,6 +86,12 @@ class FleetSim:
         self.run_migrations: list[int] = []
         self.run_where: list[int] = []      # engine cell decoding it, or _QUEUED / _AWAY
         self.run_done: list[bool] = []
+        self.pending: deque[int] = deque()  # runs launched, waiting for a place in the harness pool
+        self.active: set[int] = set()       # runs started and unfinished
+        # Since when demand has exceeded what the serving engines hold at the target
+        # occupancy, as seen by the decision epochs (after dispatch); None while it does not.
+        self.over_since: float | None = None
+        self.target = e.target_seqs()
         self.batches: dict[int, Batch] = {}
         self.run_base: dict[int, int] = {}
         self.batch_version: dict[int, int] = {}
@@ -99,7 +110,6 @@ class FleetSim:
         self.trained: dict[int, float] = {}
         # batches
         self.next_batch = 0
-        self.rolling: int | None = None
         self.launch_pending = False
         self.engines_version = 0
         self.decide_pending = False
@@ -142,7 +152,10 @@ class FleetSim:
     # ---------------------------------------------------------------- engines
     def advance(self, e: _Engine) -> None:
         if e.heap:
-            e.clock += self.per_seq[len(e.heap)] * (self.now - e.t)
+            dt = self.now - e.t
+            e.clock += self.per_seq[len(e.heap)] * dt
+            e.seq_s += len(e.heap) * dt
+            e.kv_s += e.ctx * dt
         e.t = self.now
 
     def reschedule(self, cid: int) -> None:
@@ -162,8 +175,14 @@ class FleetSim:
             heapq.heapify(self.load_heap)
 
     def route(self, run: int, work: float, front: bool = False) -> None:
-        """Least-loaded serving engine with room, else the FIFO queue."""
-        max_seqs = self.w.engine.max_seqs
+        """Least-loaded serving engine with a free slot and room for the call's KV cache
+        (context tokens x bytes per token against the engine's memory), else the FIFO
+        queue. An engine with nothing resident admits any call: a context larger than one
+        engine's KV memory would otherwise never run."""
+        max_seqs, cap = self.w.engine.max_seqs, self.kv_cap
+        need = self.ctx_of(run)
+        skipped = []
+        placed = -1
         while self.load_heap:
             n, cid, stamp = self.load_heap[0]
             e = self.engines[cid]
@@ -172,15 +191,29 @@ class FleetSim:
                 continue
             if n >= max_seqs:
                 break
+            if cap and e.heap and e.ctx + need > cap:
+                skipped.append(heapq.heappop(self.load_heap))
+                continue
             heapq.heappop(self.load_heap)
             self.advance(e)
             if not e.heap:
                 e.clock = 0.0  # keeps service clocks small; nothing depends on the old reading
             heapq.heappush(e.heap, (e.clock + work, run))
             self.run_where[run] = cid
-            e.ctx += self.ctx_of(run)
+            e.ctx += need
             self.reschedule(cid)
             self.touch(self.cells[cid])
+            placed = cid
+            break
+        for item in skipped:
+            heapq.heappush(self.load_heap, item)
+        if placed >= 0:
+            if self.run_start[run] < 0:
+                # The run's wall clock starts when it is first served, not when its batch
+                # launched: time in the queue is the fleet's, not the run's.
+                self.run_start[run] = self.now
+                self.run_deadline[run] = self.now + self.w.run.timeout_s
+                self.push(self.run_deadline[run], _DEADLINE, run)
             return
         self.run_where[run] = _QUEUED
         if front:
@@ -293,16 +326,28 @@ class FleetSim:
                 self.backlog[step] = self.backlog.get(step, 0.0) + tokens
             self.trainer_update()
         self.unfinished[step] -= 1
+        self.active.discard(run)
+        self.admit_runs()
         if self.unfinished[step] == 0:
-            self.rolling = None
             self.event_rows.append(EventRow(self.now, "rollout_done", step))
             self.trainer_update()
             self.try_start_batch()
             self.request_decision()
 
+    def admit_runs(self) -> None:
+        """Start launched runs while the harness pool has room; once a batch has all its runs
+        started, the next may launch (if the staleness bound allows)."""
+        while self.pending and len(self.active) < self.max_active:
+            run = self.pending.popleft()
+            self.active.add(run)
+            b = self.batches[self.run_batch[run]]
+            self.route(run, b.work[run - self.run_base[b.step]][0])
+        if not self.pending:
+            self.try_start_batch()
+
     # ---------------------------------------------------------------- batches
     def try_start_batch(self) -> None:
-        if (self.next_batch >= self.w.steps or self.rolling is not None or self.launch_pending
+        if (self.next_batch >= self.w.steps or self.pending or self.launch_pending
                 or not may_start_rollout(self.next_batch, self.version, self.staleness)):
             return
         self.launch_pending = True
@@ -323,22 +368,19 @@ class FleetSim:
             self.group_tokens[(step, g)] = 0.0
         for g in b.group:
             self.group_left[(step, g)] += 1
-        deadline = self.now + self.w.run.timeout_s
         for i in range(b.runs):
             self.run_batch.append(step)
             self.run_idx.append(0)
-            self.run_deadline.append(deadline)
+            self.run_deadline.append(math.inf)   # set when first served
             self.run_tokens.append(0.0)
-            self.run_start.append(self.now)
+            self.run_start.append(-1.0)
             self.run_migrations.append(0)
             self.run_where.append(_AWAY)
             self.run_done.append(False)
-        self.rolling = step
         self.next_batch = step + 1
         self.event_rows.append(EventRow(self.now, "batch_start", step, f"{b.runs} runs, weights v{self.version}"))
-        for i in range(b.runs):
-            self.route(base + i, b.work[i][0])
-            self.push(deadline, _DEADLINE, base + i)
+        self.pending.extend(range(base, base + b.runs))
+        self.admit_runs()
         self.request_decision()
 
     # ---------------------------------------------------------------- trainer
@@ -403,8 +445,28 @@ class FleetSim:
             self.decide_pending = True
             self.push(self.now, _DECIDE, 0)
 
+    def tail(self) -> list[int]:
+        """The runs expected to finish last: the top ``tail_fraction`` of started, unfinished
+        runs by expected remaining time (at least one). The simulator knows each run's
+        sampled remaining calls and tool times; a runtime estimates them from its runs'
+        progress, which is what the policy input stands for either way."""
+        if not self.active:
+            return []
+        rest = []
+        for run in self.active:
+            b = self.batches[self.run_batch[run]]
+            rest.append((b.rest_s[run - self.run_base[b.step]][self.run_idx[run]], run))
+        k = max(1, math.ceil(self.w.tail_fraction * len(rest)))
+        return [run for _, run in heapq.nlargest(k, rest)]
+
     def cluster_state(self) -> ClusterState:
         tps = self.w.train.tokens_per_s
+        tail = self.tail()
+        tail_on: dict[int, int] = {}
+        for run in tail:
+            where = self.run_where[run]
+            if where >= 0:
+                tail_on[where] = tail_on.get(where, 0) + 1
         cells = []
         inflight = 0
         tokens = 0.0
@@ -414,23 +476,33 @@ class FleetSim:
             n = len(e.heap)
             inflight += n
             tokens += e.ctx
-            key = (c.role, c.switching, n, int(e.ctx))
+            nt = tail_on.get(c.id, 0)
+            key = (c.role, c.switching, n, int(e.ctx), nt)
             hit = cache.get(c.id)
             if hit is None or hit[0] != key:
                 # CellState is frozen; building 64 of them every epoch was a fifth of the run time
                 hit = cache[c.id] = (key, CellState(
                     cell=c.id, kind=c.kind, role=c.role, switching=c.switching, inflight_requests=n,
                     inflight_tokens=int(e.ctx), rollout_tokens_per_s=n * self.per_seq[n] if n else 0.0,
-                    train_tokens_per_s=tps))
+                    train_tokens_per_s=tps, tail_requests=nt, kv_capacity_tokens=self.kv_cap))
             cells.append(hit[1])
         self.trainer_advance()
         backlog = self.tr_avail + sum(self.backlog.values())
+        rolling = [self.batch_version[s] for s, n in self.unfinished.items() if n > 0]
+        serving = sum(1 for c in self.cells if self.serving(c))
+        demand = max(inflight + len(self.queue), len(self.active))
+        if demand > self.target * serving:
+            if self.over_since is None:
+                self.over_since = self.now
+        else:
+            self.over_since = None
         return ClusterState(
             time=self.now, step=self.version, cells=tuple(cells),
             unfinished_runs=sum(self.unfinished.values()), queued_requests=len(self.queue),
             inflight_requests=inflight, tokens_inflight=int(tokens), train_backlog_tokens=int(backlog),
-            policy_version=self.version,
-            oldest_rollout_version=self.engines_version if self.rolling is not None else self.version,
+            policy_version=self.version, oldest_rollout_version=min(rolling, default=self.version),
+            demand_over_capacity_s=self.now - self.over_since if self.over_since is not None else 0.0,
+            tail_runs=len(tail),
             rollout_to_train_s=self.w.fleet.rollout_to_train_s, train_to_rollout_s=self.w.fleet.train_to_rollout_s)
 
     def on_decide(self, periodic: int) -> None:
@@ -566,10 +638,23 @@ class FleetSim:
         acc = [sum(c.acc[k] for c in self.cells) for k in range(5)]
         busy = {"rollout": acc[ROLLOUT_BUSY] / total, "train": acc[TRAIN_BUSY] / total,
                 "switch": acc[SWITCH] / total, "idle": (acc[ROLLOUT_IDLE] + acc[TRAIN_IDLE]) / total}
+        for e in self.engines:
+            self.advance(e)
+        seq_s = sum(e.seq_s for e in self.engines)
+        serving_s = acc[ROLLOUT_BUSY] + acc[ROLLOUT_IDLE]
+        slots = self.w.engine.max_seqs
+        # "busy" counts an engine with one sequence as busy; occupancy says how full it was.
+        occupancy = {
+            "slots_of_serving": seq_s / (slots * serving_s) if serving_s else 0.0,
+            "slots_of_busy": seq_s / (slots * acc[ROLLOUT_BUSY]) if acc[ROLLOUT_BUSY] else 0.0,
+            "mean_seqs_when_busy": seq_s / acc[ROLLOUT_BUSY] if acc[ROLLOUT_BUSY] else 0.0,
+            "kv_of_serving": (sum(e.kv_s for e in self.engines) / (self.kv_cap * serving_s)
+                              if self.kv_cap and serving_s else 0.0),
+        }
         return SimResult(
             policy=self.name, workload=self.w.name, total_s=self.now, step_s=self.step_s, busy=busy,
             switches=self.switches, runs_finished=self.runs_finished, runs_cut=self.runs_cut,
-            tokens_trained=sum(self.trained.values()), events=self.n_events,
+            tokens_trained=sum(self.trained.values()), events=self.n_events, occupancy=occupancy,
             sim_wall_s=wallclock.perf_counter() - t0, timeline=self.timeline, steps=self.steps,
             engines=self.engine_rows, events_log=self.event_rows, runs=self.run_rows)
 
@@ -579,7 +664,9 @@ def simulate(w: Workload, policy: Policy, policy_name: str) -> SimResult:
 
 
 def policy_for(w: Workload, name: str, **params) -> Policy:
-    """The registry's policy, parameterised from the workload where the workload knows better."""
+    """The registry's policy (any name ``gyre_hpc.sched.registry`` knows), with the inputs
+    the workload knows better: async's configured split, elastic's target occupancy and
+    its training-rate prior set from the workload's training speed."""
     from gyre_hpc.sched.registry import get_policy
     if name == "async":
         params.setdefault("train_cells", w.async_split())
@@ -587,4 +674,5 @@ def policy_for(w: Workload, name: str, **params) -> Policy:
     elif name == "elastic":
         params.setdefault("target_requests_per_engine", w.engine.target_seqs())
         params.setdefault("default_train_tokens_per_s", w.train.tokens_per_s)
+        params.setdefault("kv_tokens_per_engine", w.engine.kv_capacity_tokens())
     return get_policy(name, **params)

@@ -45,10 +45,11 @@ def write_run(result: SimResult, workload: Workload, root: str | Path) -> RunDir
 def run_config(w: Workload, policy: str, root: Path) -> RunConfig | None:
     """The run config a real fleet would need for this simulated one; None for a policy the
     config cannot name (an ad-hoc policy function handed to ``simulate``)."""
-    if policy not in ("elastic", "colocate", "async", "scripted"):
+    from gyre_hpc.sched.registry import POLICY_NAMES
+    if policy not in POLICY_NAMES:
         return None
     f, r = w.fleet, w.run
-    split = w.async_split()
+    split = w.fleet.async_train_cells or 1
     return build_config({
         "name": f"sim-{w.name}-{policy}", "run_dir": str(root), "seed": w.seed,
         "cells": {"count": f.cells, "rollout_only": list(range(f.cells - f.rollout_only, f.cells)),

@@ -19,6 +19,9 @@ class SimResult:
     tokens_trained: float
     events: int
     sim_wall_s: float                  # how long the simulation itself took
+    # How full the engines were: resident sequences over slots (max_seqs), averaged over
+    # serving time and over busy time, and KV held over KV capacity (0 if not modelled).
+    occupancy: dict[str, float] = field(default_factory=dict)
     timeline: list[TimelineRow] = field(default_factory=list, repr=False)
     steps: list[StepRow] = field(default_factory=list, repr=False)
     engines: list[EngineRow] = field(default_factory=list, repr=False)
@@ -35,6 +38,7 @@ class SimResult:
             "total_s": round(self.total_s, 1),
             "mean_step_s": round(sum(self.step_s) / len(self.step_s), 1) if self.step_s else 0.0,
             "busy": {k: round(v, 4) for k, v in self.busy.items()},
+            "occupancy": {k: round(v, 4) for k, v in self.occupancy.items()},
             "switches": self.switches, "runs_finished": self.runs_finished, "runs_cut": self.runs_cut,
             "tokens_trained": int(self.tokens_trained), "events": self.events,
             "sim_wall_s": round(self.sim_wall_s, 2),

@@ -78,8 +78,14 @@ class RunShape:
     output_tokens: Dist = Dist(median=200, sigma=0.5)      # generated per call
     context_tokens: Dist = Dist(median=800, sigma=0.6)     # new prompt tokens per call (tool output, task text)
     tool_s: Dist = Dist(median=2.0, sigma=0.8)             # environment time after each call
-    timeout_s: float = 600.0                     # wall-clock limit of one run; cut runs are trained as far as they got
+    # Wall-clock limit of one run, counted from when an engine first serves it (queueing
+    # before that is not the run's time); cut runs are trained as far as they got.
+    timeout_s: float = 600.0
     coarsen: int = 1                             # merge this many consecutive calls into one simulated call
+    # Runs in progress at once (the harness pool). 0: one batch's worth. A new batch's runs
+    # start as runs of the previous batch finish, when the staleness bound lets the batch
+    # start at all (continuous async); on-policy batches never overlap.
+    max_concurrent_runs: int = 0
 
     def __post_init__(self) -> None:
         if self.tasks_per_step < 1 or self.runs_per_task < 1:
@@ -88,6 +94,8 @@ class RunShape:
             raise WorkloadError(f"run.timeout_s={self.timeout_s}: must be > 0")
         if self.coarsen < 1:
             raise WorkloadError(f"run.coarsen={self.coarsen}: must be >= 1")
+        if self.max_concurrent_runs < 0:
+            raise WorkloadError(f"run.max_concurrent_runs={self.max_concurrent_runs}: must be >= 0 (0 = a batch)")
 
     @property
     def runs_per_step(self) -> int:
@@ -104,6 +112,15 @@ class EngineModel:
     max_seqs: int = 64                   # KV memory: requests beyond this wait in the queue
     prefill_tokens_per_s: float = 5000.0  # new context tokens ingested per second
     tolerated_slowdown: float = 0.1      # sizes the elastic target: per-sequence speed may drop this much
+    # Context length at which decoding a token takes twice as long as at short context
+    # (reading the KV cache costs as much as the rest of a decode step). 0: no dependence.
+    decode_ctx_tokens: float = 0.0
+    # KV capacity, as vLLM sizes it: (memory_gb x memory_utilization - weights_gb) of the
+    # cell's GPU memory holds KV at kv_bytes_per_token. 0 in any of them: unchecked.
+    memory_gb: float = 0.0
+    weights_gb: float = 0.0
+    memory_utilization: float = 0.9
+    kv_bytes_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.single_seq_tokens_per_s <= 0 or self.prefill_tokens_per_s <= 0:
@@ -112,6 +129,23 @@ class EngineModel:
             raise WorkloadError("engine.half_saturation_seqs must be >= 0 and engine.max_seqs >= 1")
         if not 0 < self.tolerated_slowdown < 1:
             raise WorkloadError(f"engine.tolerated_slowdown={self.tolerated_slowdown}: must be in (0, 1)")
+        if min(self.decode_ctx_tokens, self.memory_gb, self.weights_gb, self.kv_bytes_per_token) < 0:
+            raise WorkloadError("engine.decode_ctx_tokens, memory_gb, weights_gb, kv_bytes_per_token must be >= 0")
+        if not 0 < self.memory_utilization <= 1:
+            raise WorkloadError(f"engine.memory_utilization={self.memory_utilization}: must be in (0, 1]")
+        if self.memory_gb and self.kv_bytes_per_token and self.kv_capacity_tokens() <= 0:
+            raise WorkloadError(f"engine.weights_gb={self.weights_gb} leaves no KV memory of "
+                                f"memory_gb={self.memory_gb} x memory_utilization={self.memory_utilization}")
+
+    def kv_capacity_tokens(self) -> int:
+        """KV-cache tokens one engine holds; 0 = not modelled (admission by slots only)."""
+        if not (self.memory_gb and self.kv_bytes_per_token):
+            return 0
+        return int((self.memory_gb * self.memory_utilization - self.weights_gb) * 1e9 / self.kv_bytes_per_token)
+
+    def decode_slowdown(self, ctx):
+        """Decode time per token at context ``ctx`` over that at short context (scalar or array)."""
+        return 1.0 + ctx / self.decode_ctx_tokens if self.decode_ctx_tokens else 1.0 + 0.0 * ctx
 
     def per_seq_tokens_per_s(self, n: int) -> float:
         h = self.half_saturation_seqs
@@ -146,7 +180,10 @@ class Fleet:
     rollout_only: int = 0                   # cells that never train
     rollout_to_train_s: float = 8.5         # switch costs
     train_to_rollout_s: float = 3.5
-    async_train_cells: int = 0              # 0: the split that balances train and decode work (see docs)
+    # The async baseline's fixed split (train cells, core included): an explicit input, as
+    # a user configures scheduler.async_train_cells. 0: none given (async cannot run;
+    # `gyre-hpc sim --tune-async` finds the best split by simulation).
+    async_train_cells: int = 0
     async_max_staleness: int = 1
 
     def __post_init__(self) -> None:
@@ -169,6 +206,9 @@ class Workload:
     seed: int = 0
     decision_interval_s: float = 5.0     # the controller re-evaluates the policy this often
     engine_sample_s: float = 2.0         # one engines-table row per cell this often
+    # The policy's tail (ClusterState.tail_runs): this share of the runs in progress, those
+    # expected to finish last, at least one.
+    tail_fraction: float = 0.1
     run: RunShape = RunShape()
     engine: EngineModel = EngineModel()
     train: TrainModel = TrainModel()
@@ -179,35 +219,20 @@ class Workload:
             raise WorkloadError(f"steps={self.steps}: must be >= 1")
         if self.decision_interval_s <= 0 or self.engine_sample_s <= 0:
             raise WorkloadError("decision_interval_s and engine_sample_s must be > 0")
-
-    # -- sizing figures, derived from the distributions (used for the async split) --
-    def mean_run_tokens(self) -> float:
-        r = self.run
-        return r.calls.mean() * (r.output_tokens.mean() + r.context_tokens.mean())
-
-    def mean_run_decode_work(self) -> float:
-        """Per run, in decode-token equivalents (prefill converted at the engine's speed)."""
-        r, e = self.run, self.engine
-        prefill_equiv = e.single_seq_tokens_per_s / e.prefill_tokens_per_s
-        return r.calls.mean() * (r.output_tokens.mean() + prefill_equiv * r.context_tokens.mean())
+        if not 0 < self.tail_fraction <= 1:
+            raise WorkloadError(f"tail_fraction={self.tail_fraction}: must be in (0, 1]")
 
     def async_split(self) -> int:
-        """Train cells for the async baseline: the configured split, or the one that gives
-        train and decode work the same share of cell-seconds (each at its sustained speed)."""
-        if self.fleet.async_train_cells:
-            return self.fleet.async_train_cells
-        e = self.engine
-        n = e.target_seqs()
-        engine_tps = n * e.per_seq_tokens_per_s(n)
-        train_s = self.mean_run_tokens() / (self.train.tokens_per_s * (1 - self.train.dp_sync_overhead))
-        decode_s = self.mean_run_decode_work() / engine_tps
-        k = round(self.fleet.cells * train_s / (train_s + decode_s))
-        return int(min(max(k, 1), self.fleet.cells - 1 - self.fleet.rollout_only))
+        """Train cells of the async baseline: the configured split, never a derived one."""
+        if self.fleet.async_train_cells < 1:
+            raise WorkloadError("fleet.async_train_cells=0: the async split is an explicit input; set it "
+                                "(e.g. --set fleet.async_train_cells=2) or find the best with --tune-async")
+        return self.fleet.async_train_cells
 
 
 PRESETS: dict[str, Workload] = {
     # Small and fast: tests, the committed sample run, the notebooks.
-    "tiny": Workload(),
+    "tiny": Workload(fleet=Fleet(async_train_cells=2)),
     # The paper's regime (see docs/sim.md for the source of each figure). A cell is one
     # 8-GPU node serving (TP=8) or training (FSDP) a ~32B dense model.
     "paper": Workload(

@@ -112,6 +112,11 @@ def test_elastic_reclaims_only_after_demand_is_sustained_for_reclaim_after_s():
     got = p(state("TRTTT", demand_over_capacity_s=30.0, **kw))
     assert flips(got) == {4: R}
     assert "demand 6 > 1 engines x 4" in got[0].reason and "30s >= 30s" in got[0].reason
+    # Demand above the target with nothing queued (engines hold more than the target) is
+    # still demand once sustained.
+    over = state("TRTTT", inflight={1: 6}, unfinished_runs=6, train_backlog_tokens=BIG_BACKLOG,
+                 demand_over_capacity_s=31.0)
+    assert flips(p(over)) == {4: R}
 
 
 def test_elastic_reclaim_reason_is_true():
