@@ -42,7 +42,8 @@ class ElasticParams:
     fill: float = 0.8
     # Requests a tail run may share its engine with and still count as lightly loaded
     # (its own request included): the remaining engines must offer the tail this.
-    tail_engine_requests: int = 2
+    # 0: half the target occupancy.
+    tail_engine_requests: int = 0
     # Release only if it shortens the training of the waiting backlog by more than this
     # many switches back (train->rollout).
     return_cost_weight: float = 1.0
@@ -64,8 +65,8 @@ class ElasticParams:
             raise ValueError(f"elastic target_requests_per_engine={self.target_requests_per_engine}: must be >= 1")
         if not 0 < self.fill <= 1:
             raise ValueError(f"elastic fill={self.fill}: must be in (0, 1]")
-        if self.tail_engine_requests < 1:
-            raise ValueError(f"elastic tail_engine_requests={self.tail_engine_requests}: must be >= 1")
+        if self.tail_engine_requests < 0:
+            raise ValueError(f"elastic tail_engine_requests={self.tail_engine_requests}: must be >= 0 (0 = half the target)")
         if self.return_cost_weight < 0:
             raise ValueError(f"elastic return_cost_weight={self.return_cost_weight}: must be >= 0")
         if self.reclaim_after_s < 0:
@@ -89,6 +90,15 @@ class ElasticPolicy:
     def max_staleness(self) -> int:
         return self.params.max_staleness
 
+    def engines_needed(self, state: ClusterState, demand: int, kv_per_engine: int) -> int:
+        """Engines that hold ``demand`` requests at the target occupancy and the KV tokens in
+        flight at ``fill`` of ``kv_per_engine`` (0: KV not known)."""
+        p = self.params
+        n = math.ceil(demand / p.target_requests_per_engine)
+        if kv_per_engine:
+            n = max(n, math.ceil(state.tokens_inflight / (p.fill * kv_per_engine)))
+        return n
+
     def __call__(self, state: ClusterState) -> list[RoleChange]:
         changes = self._reclaim(state)
         if changes:
@@ -101,10 +111,12 @@ class ElasticPolicy:
         demand = rollout_demand(state)
         if not candidates or demand == 0:
             return []
-        engines = len(arriving_engines(state))
+        arriving = arriving_engines(state)
+        engines = len(arriving)
         # Highest id first: the order is fixed so that replays of a run decide the same way.
         candidates = sorted(candidates, key=lambda c: -c.cell)
-        need = math.ceil(demand / p.target_requests_per_engine) - engines
+        kv = kv_capacity(candidates[0], p.kv_tokens_per_engine)
+        need = self.engines_needed(state, demand, kv) - engines
         if engines == 0:
             # No engine at all, none coming: not a question of capacity, the runs cannot
             # proceed. This is the start of a batch after everything trained.
@@ -117,8 +129,10 @@ class ElasticPolicy:
             return []
         picked = candidates[:need]
         why = (f"demand above capacity for {state.demand_over_capacity_s:.0f}s >= {p.reclaim_after_s:.0f}s: "
-               f"demand {demand} > {engines} engines x {p.target_requests_per_engine}, "
-               f"{len(picked)} more engines")
+               + (f"demand {demand} > {engines} engines x {p.target_requests_per_engine}"
+                  if demand > engines * p.target_requests_per_engine else
+                  f"{state.tokens_inflight} KV tokens > {engines} engines x {p.fill:g} x {kv}")
+               + f", {len(picked)} more engines")
         return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
 
     def _fits(self, state: ClusterState, remaining: list[CellState], demand: int) -> bool:
@@ -134,7 +148,7 @@ class ElasticPolicy:
         if state.tail_runs > 0:
             # Tail runs, each on an engine with at most `tail_engine_requests` requests: they
             # take ceil(tail / light) engines, and the rest of the demand must fit the others.
-            light = p.tail_engine_requests
+            light = p.tail_engine_requests or max(1, p.target_requests_per_engine // 2)
             tail_engines = math.ceil(state.tail_runs / light)
             rest = demand - min(state.tail_runs, demand)
             spare = tail_engines * light - state.tail_runs

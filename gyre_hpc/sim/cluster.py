@@ -88,8 +88,9 @@ class FleetSim:
         self.run_done: list[bool] = []
         self.pending: deque[int] = deque()  # runs launched, waiting for a place in the harness pool
         self.active: set[int] = set()       # runs started and unfinished
-        # Since when demand has exceeded what the serving engines hold at the target
-        # occupancy, as seen by the decision epochs (after dispatch); None while it does not.
+        # Since when demand has exceeded what the serving engines hold (calls still queued
+        # after dispatch, for want of a slot or KV memory, or more requests and runs than
+        # the target occupancy), as seen by the decision epochs; None while it does not.
         self.over_since: float | None = None
         self.target = e.target_seqs()
         self.batches: dict[int, Batch] = {}
@@ -469,13 +470,11 @@ class FleetSim:
                 tail_on[where] = tail_on.get(where, 0) + 1
         cells = []
         inflight = 0
-        tokens = 0.0
         cache = self.cell_state_cache
         for c in self.cells:
             e = self.engines[c.id]
             n = len(e.heap)
             inflight += n
-            tokens += e.ctx
             nt = tail_on.get(c.id, 0)
             key = (c.role, c.switching, n, int(e.ctx), nt)
             hit = cache.get(c.id)
@@ -488,10 +487,13 @@ class FleetSim:
             cells.append(hit[1])
         self.trainer_advance()
         backlog = self.tr_avail + sum(self.backlog.values())
+        # KV the fleet must keep for every started run, not only those decoding now: a run
+        # back from a tool call resumes from its cached prefix instead of prefilling it again.
+        tokens = sum(self.ctx_of(run) for run in self.active if self.run_start[run] >= 0)
         rolling = [self.batch_version[s] for s, n in self.unfinished.items() if n > 0]
         serving = sum(1 for c in self.cells if self.serving(c))
         demand = max(inflight + len(self.queue), len(self.active))
-        if demand > self.target * serving:
+        if self.queue or demand > self.target * serving:
             if self.over_since is None:
                 self.over_since = self.now
         else:
