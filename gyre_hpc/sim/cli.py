@@ -103,10 +103,13 @@ def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies:
 
 
 def _print_sweep(result: dict) -> None:
-    click.echo(f"sweep around {result['base']} ({result['steps']} steps, {result['cells']} cells)")
-    click.echo(f"{'knob':<14}{'value':>8}{'elastic h':>11}{'async h':>10}{'coloc h':>10}{'vs async':>10}{'vs coloc':>10}")
+    click.echo(f"sweep around {result['base']} ({result['steps']} steps, {result['cells']} cells, "
+               f"async at {result['async_train_cells']} train cells and at its tuned split)")
+    click.echo(f"{'knob':<14}{'value':>8}{'elastic h':>11}{'async h':>10}{'tuned h':>10}{'coloc h':>10}"
+               f"{'vs async':>10}{'vs tuned':>10}{'vs coloc':>10}")
     for r in result["rows"]:
-        click.echo(f"{r['knob']:<14}{r['value']!s:>8}{r['elastic_h']:>11.2f}{r['async_h']:>10.2f}{r['colocate_h']:>10.2f}"
-                   f"{r.get('elastic_over_async', float('nan')):>10.3f}{r.get('elastic_over_colocate', float('nan')):>10.3f}")
+        click.echo(f"{r['knob']:<14}{r['value']!s:>8}{r['elastic_h']:>11.2f}{r['async_h']:>10.2f}"
+                   f"{r['async_tuned_h']:>10.2f}{r['colocate_h']:>10.2f}{r['elastic_over_async']:>10.3f}"
+                   f"{r['elastic_over_async_tuned']:>10.3f}{r['elastic_over_colocate']:>10.3f}")
     for base, where in result["elastic_slower_than"].items():
         click.echo(f"elastic slower than {base} at: " + (", ".join(where) or "(nowhere in this sweep)"))

@@ -37,7 +37,7 @@ class SimError(RuntimeError):
 
 
 class _Engine:
-    __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx", "seq_s", "kv_s")
+    __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx", "parked", "parked_ctx", "seq_s", "kv_s")
 
     def __init__(self) -> None:
         self.clock = 0.0      # tokens each resident sequence has been served
@@ -45,7 +45,11 @@ class _Engine:
         self.heap: list[tuple[float, int]] = []   # (clock at which it finishes, run)
         self.stamp = 0        # invalidates this engine's pending completion event
         self.load_stamp = 0   # invalidates its entries in the least-loaded heap
-        self.ctx = 0.0        # KV tokens held
+        self.ctx = 0.0        # KV tokens held by the sequences decoding
+        # KV kept for runs away in a tool call (prefix cache), oldest first; evicted when an
+        # admission needs the room. Only tracked when the engine's KV capacity is modelled.
+        self.parked: dict[int, float] = {}
+        self.parked_ctx = 0.0
         self.seq_s = 0.0      # integral of resident sequences over time (slot occupancy)
         self.kv_s = 0.0       # integral of KV tokens held over time
 
@@ -70,13 +74,14 @@ class FleetSim:
         self.engines = [_Engine() for _ in self.cells]
         self.per_seq = [e.per_seq_tokens_per_s(n) for n in range(e.max_seqs + 2)]
         self.kv_cap = e.kv_capacity_tokens()
+        self.prefill_equiv = e.single_seq_tokens_per_s / e.prefill_tokens_per_s
         self.max_active = w.run.max_concurrent_runs or w.run.runs_per_step
         self.events: list[tuple] = []
         self.seq = 0
         self.now = 0.0
         self.n_events = 0
         self.load_heap: list[tuple[int, int, int]] = []
-        self.queue: deque[tuple[int, float]] = deque()
+        self.queue: deque[tuple[int, float, bool]] = deque()   # (run, work, KV travels with it)
         # runs (flat, across batches)
         self.run_batch: list[int] = []
         self.run_idx: list[int] = []
@@ -86,6 +91,8 @@ class FleetSim:
         self.run_migrations: list[int] = []
         self.run_where: list[int] = []      # engine cell decoding it, or _QUEUED / _AWAY
         self.run_done: list[bool] = []
+        self.run_home: list[int] = []       # engine holding the run's cached prefix, or -1
+        self.run_cached: list[float] = []   # context tokens a call must prefill again away from home
         self.pending: deque[int] = deque()  # runs launched, waiting for a place in the harness pool
         self.active: set[int] = set()       # runs started and unfinished
         # Since when demand has exceeded what the serving engines hold (calls still queued
@@ -156,7 +163,7 @@ class FleetSim:
             dt = self.now - e.t
             e.clock += self.per_seq[len(e.heap)] * dt
             e.seq_s += len(e.heap) * dt
-            e.kv_s += e.ctx * dt
+            e.kv_s += (e.ctx + e.parked_ctx) * dt
         e.t = self.now
 
     def reschedule(self, cid: int) -> None:
@@ -175,13 +182,23 @@ class FleetSim:
                               if self.serving(self.cells[i])]
             heapq.heapify(self.load_heap)
 
-    def route(self, run: int, work: float, front: bool = False) -> None:
-        """Least-loaded serving engine with a free slot and room for the call's KV cache
-        (context tokens x bytes per token against the engine's memory), else the FIFO
-        queue. An engine with nothing resident admits any call: a context larger than one
-        engine's KV memory would otherwise never run."""
+    def route(self, run: int, work: float, front: bool = False, warm: bool = False) -> None:
+        """The run's home engine (the one holding its cached prefix) if it has a slot and
+        room, else the least-loaded serving engine with a free slot and room for the call's
+        KV cache (context tokens x bytes per token against the engine's memory), else the
+        FIFO queue. Away from home the cached context is prefilled again, unless the KV
+        travels with the call (``warm``: a migration). An engine with nothing decoding
+        admits any call: a context larger than one engine's KV memory would otherwise
+        never run."""
         max_seqs, cap = self.w.engine.max_seqs, self.kv_cap
         need = self.ctx_of(run)
+        home = self.run_home[run] if cap else -1
+        if home >= 0:
+            e = self.engines[home]
+            if (self.serving(self.cells[home]) and len(e.heap) < max_seqs
+                    and (not e.heap or e.ctx + need <= cap)):
+                self.place(run, home, work)
+                return
         skipped = []
         placed = -1
         while self.load_heap:
@@ -196,37 +213,72 @@ class FleetSim:
                 skipped.append(heapq.heappop(self.load_heap))
                 continue
             heapq.heappop(self.load_heap)
-            self.advance(e)
-            if not e.heap:
-                e.clock = 0.0  # keeps service clocks small; nothing depends on the old reading
-            heapq.heappush(e.heap, (e.clock + work, run))
-            self.run_where[run] = cid
-            e.ctx += need
-            self.reschedule(cid)
-            self.touch(self.cells[cid])
             placed = cid
             break
         for item in skipped:
             heapq.heappush(self.load_heap, item)
         if placed >= 0:
-            if self.run_start[run] < 0:
-                # The run's wall clock starts when it is first served, not when its batch
-                # launched: time in the queue is the fleet's, not the run's.
-                self.run_start[run] = self.now
-                self.run_deadline[run] = self.now + self.w.run.timeout_s
-                self.push(self.run_deadline[run], _DEADLINE, run)
+            if cap and not warm:
+                self.unpark(run)
+                work += self.prefill_equiv * self.run_cached[run]
+            self.place(run, placed, work)
             return
         self.run_where[run] = _QUEUED
         if front:
-            self.queue.appendleft((run, work))
+            self.queue.appendleft((run, work, warm))
         else:
-            self.queue.append((run, work))
+            self.queue.append((run, work, warm))
+
+    def place(self, run: int, cid: int, work: float) -> None:
+        e = self.engines[cid]
+        self.advance(e)
+        if not e.heap:
+            e.clock = 0.0  # keeps service clocks small; nothing depends on the old reading
+        heapq.heappush(e.heap, (e.clock + work, run))
+        self.run_where[run] = cid
+        need = self.ctx_of(run)
+        e.ctx += need
+        if self.kv_cap:
+            self.unpark(run)
+            # Make room: evict the runs parked longest (their prefix is prefilled again later).
+            while e.parked and e.ctx + e.parked_ctx > self.kv_cap:
+                old = next(iter(e.parked))
+                e.parked_ctx -= e.parked.pop(old)
+                self.run_home[old] = -1
+            self.run_home[run] = cid
+        self.reschedule(cid)
+        self.touch(self.cells[cid])
+        if self.run_start[run] < 0:
+            # The run's wall clock starts when it is first served, not when its batch
+            # launched: time in the queue is the fleet's, not the run's.
+            self.run_start[run] = self.now
+            self.run_deadline[run] = self.now + self.w.run.timeout_s
+            self.push(self.run_deadline[run], _DEADLINE, run)
+
+    def park(self, run: int, cid: int) -> None:
+        """A call ended: its KV stays on the engine while the run is in its tool call."""
+        e = self.engines[cid]
+        ctx = self.ctx_of(run)
+        e.parked[run] = ctx
+        e.parked_ctx += ctx
+        self.run_home[run] = cid
+        self.run_cached[run] = ctx
+
+    def unpark(self, run: int) -> None:
+        home = self.run_home[run]
+        if home >= 0:
+            e = self.engines[home]
+            if run in e.parked:
+                e.parked_ctx -= e.parked.pop(run)
+                if not e.parked:
+                    e.parked_ctx = 0.0
+            self.run_home[run] = -1
 
     def drain_queue(self) -> None:
         while self.queue:
             before = len(self.queue)
-            run, work = self.queue.popleft()
-            self.route(run, work, front=True)
+            run, work, warm = self.queue.popleft()
+            self.route(run, work, front=True, warm=warm)
             if len(self.queue) >= before:
                 break
 
@@ -246,6 +298,9 @@ class FleetSim:
             e.ctx -= self.ctx_of(run)
         if not e.heap:
             e.ctx = 0.0
+        if self.kv_cap:
+            for run in finished:
+                self.park(run, cid)
         self.reschedule(cid)
         self.touch(self.cells[cid])
         for run in finished:
@@ -304,6 +359,8 @@ class FleetSim:
 
     def finish_run(self, run: int, cut: bool) -> None:
         self.run_done[run] = True
+        if self.kv_cap:
+            self.unpark(run)
         step = self.run_batch[run]
         b = self.batches[step]
         g = (step, b.group[run - self.run_base[step]])
@@ -378,6 +435,8 @@ class FleetSim:
             self.run_migrations.append(0)
             self.run_where.append(_AWAY)
             self.run_done.append(False)
+            self.run_home.append(-1)
+            self.run_cached.append(0.0)
         self.next_batch = step + 1
         self.event_rows.append(EventRow(self.now, "batch_start", step, f"{b.runs} runs, weights v{self.version}"))
         self.pending.extend(range(base, base + b.runs))
@@ -476,13 +535,13 @@ class FleetSim:
             n = len(e.heap)
             inflight += n
             nt = tail_on.get(c.id, 0)
-            key = (c.role, c.switching, n, int(e.ctx), nt)
+            key = (c.role, c.switching, n, int(e.ctx + e.parked_ctx), nt)
             hit = cache.get(c.id)
             if hit is None or hit[0] != key:
                 # CellState is frozen; building 64 of them every epoch was a fifth of the run time
                 hit = cache[c.id] = (key, CellState(
                     cell=c.id, kind=c.kind, role=c.role, switching=c.switching, inflight_requests=n,
-                    inflight_tokens=int(e.ctx), rollout_tokens_per_s=n * self.per_seq[n] if n else 0.0,
+                    inflight_tokens=int(e.ctx + e.parked_ctx), rollout_tokens_per_s=n * self.per_seq[n] if n else 0.0,
                     train_tokens_per_s=tps, tail_requests=nt, kv_capacity_tokens=self.kv_cap))
             cells.append(hit[1])
         self.trainer_advance()
@@ -556,10 +615,16 @@ class FleetSim:
         moved = [(run, max(fin - e.clock, 0.0)) for fin, run in sorted(e.heap)]
         e.heap.clear()
         e.ctx = 0.0
+        # Runs away in a tool call take their cached prefix along too: no prefill on return.
+        for run in e.parked:
+            self.run_home[run] = -1
+            self.run_cached[run] = 0.0
+        e.parked.clear()
+        e.parked_ctx = 0.0
         self.reschedule(cid)
         for run, left in moved:
             self.run_migrations[run] += 1
-            self.route(run, left, front=True)
+            self.route(run, left, front=True, warm=True)
 
     def on_switch(self, cid: int) -> None:
         c = self.cells[cid]

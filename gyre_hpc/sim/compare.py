@@ -112,12 +112,18 @@ def tuned_async(w: Workload, elastic: SimResult | None = None, search_steps: int
 
 
 def scaled(w: Workload, **changes) -> Workload:
-    """Nested ``dataclasses.replace``: ``scaled(w, **{"fleet.cells": 16})``."""
+    """Nested ``dataclasses.replace``: ``scaled(w, **{"fleet.cells": 16})``. Fields of one
+    section change together, so a pair that is only valid jointly (cells and a split) can."""
+    tree: dict = {}
     for path, value in changes.items():
-        parts = path.split(".")
-        def rebuild(obj, parts):
-            if len(parts) == 1:
-                return dataclasses.replace(obj, **{parts[0]: value})
-            return dataclasses.replace(obj, **{parts[0]: rebuild(getattr(obj, parts[0]), parts[1:])})
-        w = rebuild(w, parts)
-    return w
+        node = tree
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    def apply(obj, tree: dict):
+        return dataclasses.replace(obj, **{
+            k: apply(getattr(obj, k), v) if isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, k)) else v
+            for k, v in tree.items()})
+    return apply(w, tree)

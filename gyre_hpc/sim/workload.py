@@ -250,7 +250,7 @@ PRESETS: dict[str, Workload] = {
             context_tokens=Dist(median=4000, sigma=0.6),
             tool_s=Dist(median=5.0, sigma=1.0),
             timeout_s=4 * 3600.0, coarsen=16),
-        engine=EngineModel(single_seq_tokens_per_s=PAPER_DECODE_TOKENS_PER_S, half_saturation_seqs=4000.0,
+        engine=EngineModel(single_seq_tokens_per_s=PAPER_DECODE_TOKENS_PER_S, half_saturation_seqs=256.0,
                            max_seqs=256, prefill_tokens_per_s=60000.0, tolerated_slowdown=0.1,
                            decode_ctx_tokens=1.0e6, memory_gb=64 * 80.0, weights_gb=2400.0,
                            memory_utilization=0.9, kv_bytes_per_token=104e3),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from gyre_hpc.cli import main
@@ -51,8 +52,20 @@ def test_sim_sweep_json_has_every_knob_and_says_where_elastic_is_slower():
     assert r.exit_code == 0, r.output
     rep = json.loads(r.output)
     knobs = {row["knob"] for row in rep["rows"]}
-    assert knobs == {"tail_sigma", "switch_cost_x", "cells", "train_cost_x", "async_train_share"}
+    assert knobs == {"tail_sigma", "switch_cost_x", "cells", "train_cost_x"}
     for row in rep["rows"]:
         assert abs(row["elastic_over_colocate"] - row["colocate_s"] / row["elastic_s"]) < 1e-3
+        assert row["async_tuned_train_cells"] >= 1 and row["async_tuned_h"] > 0
     slower = rep["elastic_slower_than"]
     assert slower["colocate"] == [f"{r['knob']}={r['value']}" for r in rep["rows"] if r["elastic_over_colocate"] < 1]
+    assert set(slower) == {"async", "async_tuned", "colocate"}
+
+
+def test_sim_tune_async_reports_elastic_against_the_fastest_split():
+    r = invoke("--preset", "tiny", "--json", "--no-record", "--set", "steps=2", "--tune-async")
+    rep = json.loads(r.output)
+    tuned = rep["async_tuned"]
+    assert tuned["train_cells"] in {int(k) for k in tuned["search_h"]}
+    assert tuned["search_h"][str(tuned["train_cells"])] == min(tuned["search_h"].values())
+    assert tuned["elastic_over_async_tuned"] == pytest.approx(tuned["total_h"] / rep["total_h"]["elastic"], abs=2e-3)
+    assert set(rep["lower_bound"]["over_bound"]) == {"elastic", "async", "colocate"}

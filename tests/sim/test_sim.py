@@ -187,21 +187,20 @@ def test_dist_samples_have_the_stated_median_and_mean(dist):
         assert x.mean() == pytest.approx(dist.mean(), rel=0.03)
 
 
-def test_async_split_balances_train_and_decode_cell_seconds_unless_configured():
-    w = preset("paper")
-    k = w.async_split()
-    e = w.engine
-    n = e.target_seqs()
-    train_s = w.mean_run_tokens() / (w.train.tokens_per_s * (1 - w.train.dp_sync_overhead))
-    decode_s = w.mean_run_decode_work() / (n * e.per_seq_tokens_per_s(n))
-    # k train cells and (cells - k) engines give the two kinds of work about equal time
-    assert abs(k / w.fleet.cells - train_s / (train_s + decode_s)) <= 0.5 / w.fleet.cells
-    assert scaled(w, **{"fleet.async_train_cells": 5}).async_split() == 5
+def test_async_split_is_an_explicit_input():
+    w = scaled(TINY, **{"fleet.async_train_cells": 0})
+    with pytest.raises(WorkloadError, match="fleet.async_train_cells=0: the async split is an explicit input"):
+        policy_for(w, "async")
+    assert scaled(w, **{"fleet.async_train_cells": 3}).async_split() == 3
+    assert preset("paper").async_split() == 8
 
 
 def test_policy_for_sizes_policies_from_the_workload():
     w = preset("paper")
-    assert policy_for(w, "elastic").params.target_requests_per_engine == w.engine.target_seqs()
+    p = policy_for(w, "elastic").params
+    assert p.target_requests_per_engine == w.engine.target_seqs()
+    assert p.kv_tokens_per_engine == w.engine.kv_capacity_tokens() > 0
+    assert p.default_train_tokens_per_s == w.train.tokens_per_s
     assert policy_for(w, "async").train_cells == w.async_split()
     assert policy_for(w, "async", train_cells=3).train_cells == 3
 
@@ -228,3 +227,127 @@ def test_in_the_simulator_elastic_never_leaves_unfinished_runs_without_an_engine
     r = simulate(w, checked, "elastic-checked")
     assert seen["decisions"] > 20 and seen["releases"] > 0
     assert r.total_s == simulate(w, elastic, "elastic").total_s  # the wrapper changed nothing
+
+
+# ---- the model fixes of issue 12, each failing on the model before them ----------------
+
+def _queued_start_workload(timeout_s: float):
+    # One engine of 4 slots, 16 runs of 2 calls (20 s of decode each) with a 60 s tool call
+    # between: the runs are served in 4 waves, and each run's own time is 100 s.
+    return scaled(TINY, **{
+        "steps": 1, "fleet.cells": 2, "fleet.async_train_cells": 1, "engine.max_seqs": 4,
+        "engine.half_saturation_seqs": 1e6, "engine.single_seq_tokens_per_s": 50.0,
+        "run.calls": Dist("fixed", 2), "run.output_tokens": Dist("fixed", 1000),
+        "run.context_tokens": Dist("fixed", 1), "run.tool_s": Dist("fixed", 60), "run.timeout_s": timeout_s})
+
+
+def test_run_wall_clock_starts_when_the_run_is_first_served():
+    w = _queued_start_workload(timeout_s=120.0)
+    r = run("colocate", w)
+    assert r.runs_cut == 0                       # the last wave waited 60 s, then ran its 100 s
+    assert max(row.wall_s for row in r.runs) <= 120.0
+    assert r.total_s > 150.0                    # the batch outlasted the limit: counted from launch, it would cut
+
+
+def test_engines_admit_calls_by_kv_capacity():
+    # 8 runs of one call each at ~1000 context tokens; the engine's KV memory holds 2000
+    # tokens (1 GB at 0.5 MB a token): at most 2 decode at once, the rest wait.
+    kv = {"engine.memory_gb": 2.0, "engine.weights_gb": 0.0, "engine.memory_utilization": 0.5,
+          "engine.kv_bytes_per_token": 5e5}
+    base = {"steps": 1, "fleet.cells": 2, "fleet.async_train_cells": 1, "run.tasks_per_step": 2,
+            "run.calls": Dist("fixed", 1), "run.output_tokens": Dist("fixed", 100),
+            "run.context_tokens": Dist("fixed", 900)}
+    w = scaled(TINY, **base, **kv)
+    assert w.engine.kv_capacity_tokens() == 2000
+    r = run("colocate", w)
+    assert r.occupancy["mean_seqs_when_busy"] <= 2.0 + 1e-9
+    assert 0 < r.occupancy["kv_of_serving"] <= 1.0
+    unlimited = run("colocate", scaled(TINY, **base))
+    assert unlimited.occupancy["mean_seqs_when_busy"] > 2.0
+
+
+def test_kv_too_small_for_the_weights_is_an_error_naming_the_fields():
+    with pytest.raises(WorkloadError, match="weights_gb=100 leaves no KV memory"):
+        EngineModel(memory_gb=80, weights_gb=100, kv_bytes_per_token=1e5)
+
+
+def test_decode_time_grows_with_context_length():
+    fixed = {"steps": 1, "run.coarsen": 1, "run.calls": Dist("fixed", 5), "run.output_tokens": Dist("fixed", 100),
+             "run.context_tokens": Dist("fixed", 1000), "engine.prefill_tokens_per_s": 1e12}
+    flat = sample_batch(scaled(TINY, **fixed), 0)
+    assert flat.work[0] == pytest.approx([100.0] * 5)
+    w = scaled(TINY, **fixed, **{"engine.decode_ctx_tokens": 1100.0})
+    grown = sample_batch(w, 0).work[0]
+    # call k decodes at context 1100 k + 1050: each token costs 1 + ctx / 1100
+    assert grown == pytest.approx([100 * (1 + (1100 * k + 1050) / 1100) for k in range(5)])
+
+
+def _run_spans(r, step):
+    rows = [row for row in r.runs if row.step == step]
+    return min(row.time - row.wall_s for row in rows), max(row.time for row in rows)
+
+
+def test_async_admits_the_next_batch_while_stragglers_finish():
+    w = scaled(TINY, **{"run.calls": Dist(median=6, sigma=1.2, cap=60), "steps": 3})
+    a = run("async", w)
+    first_start_1, _ = _run_spans(a, 1)
+    _, last_end_0 = _run_spans(a, 0)
+    assert first_start_1 < last_end_0            # continuous: batch 1 overlaps batch 0's tail
+    # ...bounded by staleness 1: batch 2 waits for version 1, the end of step 0's training
+    first_start_2, _ = _run_spans(a, 2)
+    assert first_start_2 >= a.steps[0].time
+    c = run("colocate", w)
+    assert _run_spans(c, 1)[0] >= _run_spans(c, 0)[1]   # on-policy batches never overlap
+
+
+def test_elastic_release_protects_the_runs_that_decide_the_step():
+    # The simulator ranks runs by expected remaining time and tells the policy which
+    # engines hold the tail; no release ever takes an engine holding a tail request.
+    w = scaled(TINY, **{"train.tokens_per_s": 300.0, "run.tasks_per_step": 16, "run.runs_per_task": 2})
+    elastic = policy_for(w, "elastic")
+    seen = {"tail": 0, "releases": 0}
+
+    def checked(state: ClusterState) -> list[RoleChange]:
+        changes = elastic(state)
+        seen["tail"] += state.tail_runs > 0
+        for ch in changes:
+            if ch.to is Role.TRAIN:
+                seen["releases"] += 1
+                assert state.cell(ch.cell).tail_requests == 0, (ch, state)
+        return changes
+
+    checked.max_staleness = 0
+    simulate(w, checked, "elastic-checked")
+    assert seen["tail"] > 0 and seen["releases"] > 0
+
+
+def test_slot_occupancy_is_reported_beside_busy_fractions():
+    r = run("colocate")
+    o = r.occupancy
+    assert set(o) == {"slots_of_serving", "slots_of_busy", "mean_seqs_when_busy", "kv_of_serving"}
+    assert o["slots_of_busy"] == pytest.approx(o["mean_seqs_when_busy"] / TINY.engine.max_seqs)
+    assert 0 < o["slots_of_serving"] <= o["slots_of_busy"] <= 1
+    assert r.summary()["occupancy"]["slots_of_busy"] == round(o["slots_of_busy"], 4)
+
+
+def test_policies_are_compared_at_equal_tokens_trained():
+    # A tight run limit cuts runs, so the policies train different amounts of tokens.
+    w = scaled(TINY, **{"run.timeout_s": 20.0})
+    rep = compare(w)
+    eq = rep["equal_tokens"]
+    most = max(eq["tokens_trained"].values())
+    for k, v in rep["policies"].items():
+        assert eq["tokens_trained"][k] == v["tokens_trained"]
+        assert eq["hours_at_equal_tokens"][k] == pytest.approx(v["total_s"] * most / v["tokens_trained"] / 3600, abs=1e-3)
+    assert eq["speedup"]["elastic_over_colocate"] == pytest.approx(
+        eq["hours_at_equal_tokens"]["colocate"] / eq["hours_at_equal_tokens"]["elastic"], abs=2e-3)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_no_policy_beats_the_lower_bounds(name):
+    rep = compare(TINY, (name,))
+    lb = rep["lower_bound"]
+    total = rep["policies"][name]["total_h"]
+    assert total >= lb["policy_bound_h"][name] >= lb["work_h"] > 0
+    assert lb["over_bound"][name] == pytest.approx(total / lb["policy_bound_h"][name], abs=0.01)
+    assert lb["over_bound"][name] >= 1.0
