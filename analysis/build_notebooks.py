@@ -136,23 +136,27 @@ total = float(sav["unpacked_tokens"].sum() / sav["tree_tokens"].sum())
 print(f"{sav.sizes['tree']} trees, {int(sav['tree_tokens'].sum())} tree tokens, {total:.2f}x fewer than unpacked")'''),
     ],
     "sweep.ipynb": [
-        ("md", "# Where elastic pays off\n`gyre-hpc sim --sweep --json`: elastic's speedup over each baseline "
-               "as one knob moves; below the dashed line elastic is slower."),
+        ("md", "# Where elastic wins and where it loses\n`gyre-hpc sim --sweep --json`: elastic's speedup over "
+               "async at its typical (configured) split, async at its tuned split, and colocate, as one knob "
+               "moves (training cost, tail heaviness, cell count, switch cost); below the dashed line elastic "
+               "is slower."),
         ("code", SETUP),
         ("code", '''\
 sweep = json.loads(SWEEP.read_text())
 knobs = list(dict.fromkeys(r["knob"] for r in sweep["rows"]))
-fig, axes = plt.subplots(1, len(knobs), figsize=(3.2 * len(knobs), 3), squeeze=False)
+fig, axes = plt.subplots(1, len(knobs), figsize=(3.2 * len(knobs), 3), squeeze=False, sharey=True)
+labels = {"async": f"vs async ({sweep['async_train_cells']} of {sweep['cells']} train)",
+          "async_tuned": "vs async, tuned split", "colocate": "vs colocate"}
 for ax, knob in zip(axes[0], knobs):
     rows = [r for r in sweep["rows"] if r["knob"] == knob]
     x = [r["value"] for r in rows]
-    for base in ("async", "colocate"):
-        ax.plot(x, [r[f"elastic_over_{base}"] for r in rows], marker="o", label=f"vs {base}")
+    for base, label in labels.items():
+        ax.plot(x, [r[f"elastic_over_{base}"] for r in rows], marker="o", label=label)
     ax.axhline(1.0, color="k", ls="--", lw=0.8)
     ax.set_title(knob); ax.set_xlabel(knob)
     if knob in ("switch_cost_x", "cells", "train_cost_x"):  # multiplicative knobs
         ax.set_xscale("log" if min(x) > 0 else "symlog", **({} if min(x) > 0 else {"linthresh": 1}))
-axes[0, 0].set_ylabel("elastic speedup"); axes[0, 0].legend()
+axes[0, 0].set_ylabel("elastic speedup"); axes[0, 0].legend(fontsize=7)
 fig.tight_layout()
 fig.savefig(FIGURES / "sweep.png", dpi=80)
 print(sweep["elastic_slower_than"])'''),
