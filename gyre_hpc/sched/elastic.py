@@ -192,8 +192,13 @@ class ElasticPolicy:
         if joined_s + p.return_cost_weight * state.train_to_rollout_s >= alone_s:
             return []
         n = len(remaining)
-        why = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine} each"
-               + (f", tail of {state.tail_runs} runs kept light" if state.tail_runs else "")
-               + f"); backlog {backlog} tokens trains in {joined_s:.0f}s instead of "
+        if state.unfinished_runs == 0:
+            fits = "every run of the batch is done"
+        else:
+            light = p.tail_engine_requests or max(1, p.target_requests_per_engine // 2)
+            fits = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine} each"
+                    + (f", room for the tail of {state.tail_runs} runs at <= {light} requests an engine"
+                       if state.tail_runs else "") + ")")
+        why = (f"{fits}; backlog {backlog} tokens trains in {joined_s:.0f}s instead of "
                + ("never" if math.isinf(alone_s) else f"{alone_s:.0f}s"))
         return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]
