@@ -102,8 +102,10 @@ def _plan(run: Run, m: Measured) -> None:
     _set(m.overrides, "run.runs_per_task", cfg.rollout.runs_per_task)
     _set(m.overrides, "run.timeout_s", float(cfg.rollout.run_timeout_s))
     _set(m.overrides, "steps", int(run.steps.sizes["step"]) or cfg.train.steps)
+    # The run's configured split, whatever policy it ran: the async split is an explicit
+    # input, and the base preset's would not fit a fleet of another size.
+    _set(m.overrides, "fleet.async_train_cells", min(cfg.scheduler.async_train_cells, max(1, cfg.cells.count - 1)))
     if cfg.scheduler.policy == "async":
-        _set(m.overrides, "fleet.async_train_cells", cfg.scheduler.async_train_cells)
         _set(m.overrides, "fleet.async_max_staleness", cfg.scheduler.max_staleness)
 
 

@@ -162,18 +162,37 @@ def test_engine_target_is_where_per_sequence_speed_drops_by_the_tolerance():
 
 
 @pytest.mark.slow
-def test_paper_preset_all_three_policies(capsys):
+def test_paper_preset_matches_the_baselines_it_was_fitted_to(capsys):
+    from gyre_hpc.sim.compare import PAPER_HOURS
     w = preset("paper")
-    assert w.fleet.cells >= 64 and w.steps == 48
+    assert w.steps == 48 and w.fleet.async_train_cells == 8
     t0 = time.perf_counter()
     rep = compare(w)
     wall = time.perf_counter() - t0
+    hours = {k: v["total_h"] for k, v in rep["policies"].items()}
     with capsys.disabled():
-        print(f"\npaper preset: {json.dumps({k: v['total_h'] for k, v in rep['policies'].items()})} "
-              f"speedup {rep['speedup']} in {wall:.1f}s wall")
+        print(f"\npaper preset: {json.dumps(hours)} speedup {rep['speedup']} "
+              f"over bound {rep['lower_bound']['over_bound']} in {wall:.1f}s wall")
     for v in rep["policies"].values():
         assert v["runs_finished"] == 48 * w.run.runs_per_step
-    assert wall < 300  # generous: the figure that matters is printed, and in `gyre-hpc sim --json`
+    # The fit's contract (docs/sim.md): the baselines within 5% of the paper's hours.
+    # Elastic is the prediction and is printed, not asserted.
+    for base in ("async", "colocate"):
+        assert abs(hours[base] / PAPER_HOURS[base] - 1) <= 0.05, (base, hours[base])
+    assert rep["equal_tokens"]["max_relative_difference"] < 1e-3
+
+
+def test_calibration_fits_knobs_to_target_hours():
+    from gyre_hpc.sim.calibrate import fit
+    w = scaled(TINY, **{"steps": 2})
+    start = {"engine.single_seq_tokens_per_s": 50.0, "train.tokens_per_s": 2000.0}
+    from gyre_hpc.sim.calibrate import hours
+    truth = hours(scaled(w, **{"engine.single_seq_tokens_per_s": 80.0, "train.tokens_per_s": 1200.0}),
+                  ("async", "colocate"))
+    got = fit(w, start, truth, tol=0.01)
+    assert got.worst_error <= 0.01
+    with pytest.raises(ValueError, match="as many knobs"):
+        fit(w, {"train.tokens_per_s": 1.0}, truth)
 
 
 @pytest.mark.parametrize("dist", [Dist("lognormal", 100, 0.5), Dist("pareto", 100, alpha=3.0), Dist("fixed", 7.0),
