@@ -224,12 +224,14 @@ def test_policy_for_sizes_policies_from_the_workload():
     assert policy_for(w, "async", train_cells=3).train_cells == 3
 
 
-def test_in_the_simulator_elastic_never_leaves_unfinished_runs_without_an_engine():
+def test_in_the_simulator_elastic_keeps_an_engine_and_never_releases_the_tail():
     # Every decision the simulator asks for, checked: after applying it, while runs are
-    # unfinished and an engine existed, at least one cell is (or is becoming) an engine.
+    # unfinished and an engine existed, at least one cell is (or is becoming) an engine;
+    # and the release protects the runs that decide the step: the simulator ranks runs by
+    # expected remaining time, and no release takes an engine holding a tail request.
     w = scaled(TINY, **{"train.tokens_per_s": 300.0, "run.tasks_per_step": 16, "run.runs_per_task": 2})
     elastic = policy_for(w, "elastic")
-    seen = {"decisions": 0, "releases": 0}
+    seen = {"decisions": 0, "releases": 0, "tail": 0}
 
     def checked(state: ClusterState) -> list[RoleChange]:
         changes = elastic(state)
@@ -239,12 +241,16 @@ def test_in_the_simulator_elastic_never_leaves_unfinished_runs_without_an_engine
         if state.unfinished_runs > 0 and before:
             assert after, state
         seen["decisions"] += 1
-        seen["releases"] += sum(t is Role.TRAIN for t in to.values())
+        seen["tail"] += state.tail_runs > 0
+        for ch in changes:
+            if ch.to is Role.TRAIN:
+                seen["releases"] += 1
+                assert state.cell(ch.cell).tail_requests == 0, (ch, state)
         return changes
 
     checked.max_staleness = 0
     r = simulate(w, checked, "elastic-checked")
-    assert seen["decisions"] > 20 and seen["releases"] > 0
+    assert seen["decisions"] > 20 and seen["releases"] > 0 and seen["tail"] > 0
     assert r.total_s == simulate(w, elastic, "elastic").total_s  # the wrapper changed nothing
 
 
@@ -317,27 +323,6 @@ def test_async_admits_the_next_batch_while_stragglers_finish():
     assert first_start_2 >= a.steps[0].time
     c = run("colocate", w)
     assert _run_spans(c, 1)[0] >= _run_spans(c, 0)[1]   # on-policy batches never overlap
-
-
-def test_elastic_release_protects_the_runs_that_decide_the_step():
-    # The simulator ranks runs by expected remaining time and tells the policy which
-    # engines hold the tail; no release ever takes an engine holding a tail request.
-    w = scaled(TINY, **{"train.tokens_per_s": 300.0, "run.tasks_per_step": 16, "run.runs_per_task": 2})
-    elastic = policy_for(w, "elastic")
-    seen = {"tail": 0, "releases": 0}
-
-    def checked(state: ClusterState) -> list[RoleChange]:
-        changes = elastic(state)
-        seen["tail"] += state.tail_runs > 0
-        for ch in changes:
-            if ch.to is Role.TRAIN:
-                seen["releases"] += 1
-                assert state.cell(ch.cell).tail_requests == 0, (ch, state)
-        return changes
-
-    checked.max_staleness = 0
-    simulate(w, checked, "elastic-checked")
-    assert seen["tail"] > 0 and seen["releases"] > 0
 
 
 def test_slot_occupancy_is_reported_beside_busy_fractions():
