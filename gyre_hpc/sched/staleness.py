@@ -17,3 +17,16 @@ def may_start_rollout(batch_step: int, policy_version: int, max_staleness: int) 
 def staleness_bound(policy: object) -> int:
     """A policy's bound; a policy that does not declare one is on-policy (0)."""
     return int(getattr(policy, "max_staleness", 0))
+
+
+def may_launch_batch(batch_step: int, policy_version: int, max_staleness: int, previous_all_started: bool) -> bool:
+    """Whether batch ``batch_step`` may launch now: continuous async admission.
+
+    A batch does not wait for the stragglers of the previous one: once every run of the
+    previous batch has *started* (the harness pool is full), the next batch may launch and
+    its runs start as places free, provided the staleness bound holds. With a bound of 0
+    this is the on-policy rule (batch ``s`` waits for version ``s``, i.e. for batch ``s - 1``
+    to be trained), so on-policy batches never overlap; with 1, batch ``s + 1`` rolls out
+    while step ``s`` finishes and trains. The runtime and the simulator both ask this.
+    """
+    return previous_all_started and may_start_rollout(batch_step, policy_version, max_staleness)

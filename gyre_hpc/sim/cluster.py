@@ -18,7 +18,7 @@ import time as wallclock
 from collections import deque
 
 from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
-from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
+from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Policy, Role, RoleChange
 from gyre_hpc.sim.batch import Batch, sample_batch
 from gyre_hpc.sim.result import SimResult
@@ -405,8 +405,8 @@ class FleetSim:
 
     # ---------------------------------------------------------------- batches
     def try_start_batch(self) -> None:
-        if (self.next_batch >= self.w.steps or self.pending or self.launch_pending
-                or not may_start_rollout(self.next_batch, self.version, self.staleness)):
+        if (self.next_batch >= self.w.steps or self.launch_pending
+                or not may_launch_batch(self.next_batch, self.version, self.staleness, not self.pending)):
             return
         self.launch_pending = True
         delay = self.w.train.weight_sync_s if self.engines_version != self.version else 0.0

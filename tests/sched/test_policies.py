@@ -250,6 +250,17 @@ def test_async_respects_staleness_bound():
     assert may_start_rollout(batch_step=3, policy_version=3, max_staleness=0)
 
 
+def test_next_batch_launches_while_stragglers_run_only_within_staleness():
+    from gyre_hpc.sched.staleness import may_launch_batch
+    # async, staleness 1: batch 4 may launch while batch 3's stragglers run (version 3 is
+    # being trained), once all of batch 3's runs have started
+    assert may_launch_batch(4, policy_version=3, max_staleness=1, previous_all_started=True)
+    assert not may_launch_batch(4, policy_version=3, max_staleness=1, previous_all_started=False)
+    assert not may_launch_batch(5, policy_version=3, max_staleness=1, previous_all_started=True)
+    # on-policy: batch 4 needs version 4
+    assert not may_launch_batch(4, policy_version=3, max_staleness=0, previous_all_started=True)
+
+
 # ---- registry ------------------------------------------------------------------------
 
 def test_registry_builds_policies_and_lists_valid_names():
