@@ -319,3 +319,28 @@ def test_capacity_helpers_count_engines_demand_and_trainers():
     assert trainers_rate(s, 5.0) == 200.0                             # cells 0 and 3 at 100 tok/s each
     with pytest.raises(ValueError, match="max_staleness"):
         may_start_rollout(1, 0, -1)
+
+
+def test_every_elastic_reason_states_figures_that_hold():
+    import random
+    import re
+    rng = random.Random(0)
+    p = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=0.8, reclaim_after_s=10.0))
+    checked = 0
+    for _ in range(400):
+        roles = "T" + "".join(rng.choice("RT") for _ in range(5))
+        inflight = {i: rng.randint(0, 6) for i, ch in enumerate(roles) if ch == "R"}
+        s = state(roles, inflight=inflight, queued_requests=rng.choice([0, 0, 3]),
+                  unfinished_runs=sum(inflight.values()) + rng.randint(0, 8),
+                  train_backlog_tokens=rng.choice([0, BIG_BACKLOG]), demand_over_capacity_s=rng.choice([0.0, 20.0]))
+        for ch in p(s):
+            m = re.search(r"demand (\d+) > (\d+) engines x (\d+)", ch.reason)
+            if m:
+                assert int(m[1]) > int(m[2]) * int(m[3]), ch.reason
+                assert s.demand_over_capacity_s >= 10.0
+                checked += 1
+            m = re.search(r"demand (\d+) fits (\d+) engines \(<= ([\d.]+) x (\d+)", ch.reason)
+            if m:
+                assert int(m[1]) <= float(m[3]) * int(m[4]) * int(m[2]), ch.reason
+                checked += 1
+    assert checked > 20
