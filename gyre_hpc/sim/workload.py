@@ -226,7 +226,7 @@ class Workload:
         """Train cells of the async baseline: the configured split, never a derived one."""
         if self.fleet.async_train_cells < 1:
             raise WorkloadError("fleet.async_train_cells=0: the async split is an explicit input; set it "
-                                "(e.g. --set fleet.async_train_cells=2) or find the best with --tune-async")
+                                "(e.g. --set fleet.async_train_cells=2); --tune-async also reports the fastest split")
         return self.fleet.async_train_cells
 
 
