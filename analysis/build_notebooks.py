@@ -156,6 +156,8 @@ for ax, knob in zip(axes[0], knobs):
     ax.set_title(knob); ax.set_xlabel(knob)
     if knob in ("switch_cost_x", "cells", "train_cost_x"):  # multiplicative knobs
         ax.set_xscale("log" if min(x) > 0 else "symlog", **({} if min(x) > 0 else {"linthresh": 1}))
+    ax.set_xticks(x, [f"{v:g}" for v in x])
+    ax.minorticks_off()
 axes[0, 0].set_ylabel("elastic speedup"); axes[0, 0].legend(fontsize=7)
 fig.tight_layout()
 fig.savefig(FIGURES / "sweep.png", dpi=80)
