@@ -88,7 +88,8 @@ def split_candidates(w: Workload) -> list[int]:
 
 def tuned_async(w: Workload, elastic: SimResult | None = None, search_steps: int = 6) -> dict:
     """The async split that is fastest on this workload: searched on the first
-    ``search_steps`` steps, refined next to the best, then simulated in full. Async at
+    ``search_steps`` steps (a grid, then a climb to a split whose neighbours are no
+    faster), then simulated in full. Async at
     this split is the strongest fixed-split baseline the model knows."""
     short = dataclasses.replace(w, steps=min(w.steps, search_steps))
 
@@ -97,11 +98,14 @@ def tuned_async(w: Workload, elastic: SimResult | None = None, search_steps: int
         return simulate(sw, policy_for(sw, "async"), "async").total_s
 
     tried = {k: trial(k) for k in split_candidates(w)}
-    best = min(tried, key=tried.get)
-    for k in (best - 1, best + 1):
-        if 1 <= k <= w.fleet.cells - 1 - w.fleet.rollout_only and k not in tried:
+    top = w.fleet.cells - 1 - w.fleet.rollout_only
+    while True:  # climb from the grid's best until both neighbours are no better
+        best = min(tried, key=tried.get)
+        todo = [k for k in (best - 1, best + 1) if 1 <= k <= top and k not in tried]
+        if not todo:
+            break
+        for k in todo:
             tried[k] = trial(k)
-    best = min(tried, key=tried.get)
     full = dataclasses.replace(w, fleet=dataclasses.replace(w.fleet, async_train_cells=best))
     r = simulate(full, policy_for(full, "async"), "async")
     out = {"train_cells": best, "total_h": round(r.total_h, 3), "search_steps": short.steps,
