@@ -13,7 +13,9 @@ Gradient weighting. The loss module's contract is "sum over tokens of
 (a group's advantages exist once its G runs are done), before the step's run count is known.
 So micro-batches are computed with per-run weights ``1/run tokens`` (``StepWeights`` with
 ``n_runs=1``), replicas' gradients are summed (allreduce), and the sum is divided by the
-step's run count once at the end: the same gradient as the full-batch loss, exactly.
+step's run count once at the end: the same gradient as the full-batch loss, exactly. Under
+``train.averaging: global`` every target weighs 1 in a micro-batch and the sum is divided
+by the step's targets instead (``trees.loss.step_denominator``).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from gyre_hpc.cells.workload import MicroResult
 from gyre_hpc.config import RunConfig
 from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
 from gyre_hpc.models.tiny_lm import TinyLM, build_model
-from gyre_hpc.trees.loss import StepWeights, packed_loss
+from gyre_hpc.trees.loss import StepWeights, packed_loss, step_denominator
 from gyre_hpc.trees.packing import PackedRow, collate
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -41,8 +43,9 @@ class MicroBatch:
     step: int
     mb_id: int
     rows: tuple[PackedRow, ...]
-    advantages: np.ndarray      # float64 [R], R = runs referenced by run_index
-    run_tokens: np.ndarray      # int64 [R]
+    advantages: np.ndarray      # float64 [R], R = runs referenced by the rows' sample_run
+    run_tokens: np.ndarray      # int64 [R], targets of each run under train.shared_targets
+    averaging: str = "run"      # train.averaging
 
     @property
     def tokens(self) -> int:
@@ -53,8 +56,9 @@ class MicroBatch:
         return sum(r.n_loss_tokens for r in self.rows)
 
     def weights(self) -> StepWeights:
-        # n_runs=1: the 1/(runs in step) factor is applied once, after the allreduce.
-        return StepWeights(self.advantages, self.run_tokens, 1)
+        # n_runs=1 (total_tokens=1): the 1/(runs in step) (1/(targets in step)) factor is
+        # applied once, after the allreduce.
+        return StepWeights(self.advantages, self.run_tokens, 1, self.averaging, total_tokens=1)
 
 
 def initial_model(cfg: RunConfig) -> TinyLM:
@@ -152,5 +156,5 @@ class RLTrainer:
 
 
 def runs_in_step(run_tokens: Sequence[int]) -> int:
-    """Runs that count in the step average: those with at least one trained token."""
-    return int(sum(1 for n in run_tokens if n > 0))
+    """Runs that count in the step average: those with at least one target."""
+    return step_denominator(run_tokens, "run")

@@ -194,6 +194,71 @@ def build_tree(
     )
 
 
+def group_forest(trees: Sequence[Tree]) -> Tree:
+    """The runs of one advantage group as one prefix-shared forest, for packing.
+
+    The runs of a group start from the same task prompt (and often the same opening), which
+    a per-run pack stores and computes once per run. Here every run's nodes are inserted
+    into one trie, so a prefix common to several runs is one node: computed once, attended
+    by each run's continuations exactly as in its own tree (same tokens, same positions,
+    same ancestors). Every sample keeps its run (``sample_run`` = index in ``trees``) and its
+    own behaviour logprob, so the loss, which weighs each sample by its run, is unchanged;
+    only the recomputation of the shared prefix goes. A forest is never stored
+    (``n_runs > 1``); the runs' own trees are.
+    """
+    root = _Node(np.zeros(0, dtype=np.int32), ROLE_CODE["main"])
+    ends: list[list[_Node]] = []
+    for tree in trees:
+        end: list[_Node] = []
+        for i in range(tree.n_nodes):
+            p = int(tree.parent[i])
+            g0 = int(tree.node_start[i])
+            seq = np.asarray(tree.tokens[g0:g0 + int(tree.node_len[i])], dtype=np.int32)
+            if seq.size == 0:
+                raise ValueError(f"group_forest: run {tree.run_id!r} node {i} is empty")
+            end.append(_insert(root if p < 0 else end[p], seq, int(tree.node_role[i])))
+        ends.append(end)
+    order, parent, node_start, node_len = _flatten(root)
+    index_of = {id(n): i for i, n in enumerate(order)}
+    tok, lp, run, call_node = [], [], [], []
+    for r, (tree, end) in enumerate(zip(trees, ends)):
+        # Where each of the run's tokens sits in the forest: node i's tokens are the tail of
+        # the forest path that ends where node i ended.
+        where = np.zeros(tree.n_tokens, dtype=np.int64)
+        for i in range(tree.n_nodes):
+            g0 = int(tree.node_start[i])
+            where[g0:g0 + int(tree.node_len[i])] = path_tail(parent, node_start, node_len, index_of[id(end[i])],
+                                                             int(tree.node_len[i]))
+        tok.append(where[tree.sample_token])
+        lp.append(tree.sample_logprob)
+        run.append(np.full(tree.sample_token.size, r, dtype=np.int32))
+        call_node.extend(index_of[id(end[int(n)])] for n in tree.call_node)
+    cat = lambda arrays, dtype: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)  # noqa: E731
+    sample_run = cat(run, np.int32)
+    sample_token, sample_logprob, sample_run = sort_samples(
+        cat(tok, np.int64), cat(lp, np.float32), sample_run, np.arange(sample_run.size))
+    n_tokens = int(node_len.sum())
+    trained, logprobs = first_sample_columns(n_tokens, sample_token, sample_logprob)
+    return Tree(
+        tokens=cat([n.tokens for n in order], np.int32),
+        logprobs=logprobs,
+        trained=trained,
+        node_start=node_start,
+        node_len=node_len,
+        parent=parent,
+        node_role=np.array([n.role for n in order], dtype=np.int8),
+        call_node=np.array(call_node, dtype=np.int32),
+        call_role=cat([t.call_role for t in trees], np.int8),
+        call_agent=[a for t in trees for a in t.call_agent],
+        run_id="+".join(t.run_id for t in trees),
+        task_id=trees[0].task_id if trees else "",
+        sample_token=sample_token,
+        sample_logprob=sample_logprob,
+        sample_run=sample_run,
+        n_runs=len(trees),
+    )
+
+
 def node_depth(tree: Tree) -> np.ndarray:
     """Tokens on the path above each node: the position id of the node's first token."""
     depth = np.zeros(tree.n_nodes, dtype=np.int64)
