@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ from gyre_hpc.cells.workload import MicroResult
 from gyre_hpc.config import RunConfig
 from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
 from gyre_hpc.models.tiny_lm import TinyLM, build_model
-from gyre_hpc.trees.loss import StepWeights, packed_loss, step_denominator
+from gyre_hpc.trees.loss import StepWeights, packed_loss
 from gyre_hpc.trees.packing import PackedRow, collate
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -154,7 +153,3 @@ class RLTrainer:
                                           f"the model needs {tuple(t.shape)}")
                 t.copy_(src)
 
-
-def runs_in_step(run_tokens: Sequence[int]) -> int:
-    """Runs that count in the step average: those with at least one target."""
-    return step_denominator(run_tokens, "run")
