@@ -116,25 +116,6 @@ def path_tail(parent: np.ndarray, node_start: np.ndarray, node_len: np.ndarray, 
     return np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
 
 
-def sort_samples(token: np.ndarray, logprob: np.ndarray, run: np.ndarray, order: np.ndarray):
-    """Samples by token, then run, then ``order`` (journal order): ``Tree.targets`` relies on it."""
-    idx = np.lexsort((order, run, token))
-    return (np.asarray(token, np.int64)[idx], np.asarray(logprob, np.float32)[idx],
-            np.asarray(run, np.int32)[idx])
-
-
-def first_sample_columns(n_tokens: int, sample_token: np.ndarray, sample_logprob: np.ndarray):
-    """(trained, logprobs) per token: trained where sampled, the first sample's logprob (the
-    count-once rule's target); logprobs 0 elsewhere."""
-    trained = np.zeros(n_tokens, dtype=bool)
-    logprobs = np.zeros(n_tokens, dtype=np.float32)
-    first = np.ones(sample_token.size, dtype=bool)
-    first[1:] = sample_token[1:] != sample_token[:-1]
-    trained[sample_token] = True
-    logprobs[sample_token[first]] = sample_logprob[first]
-    return trained, logprobs
-
-
 def build_tree(
     calls: Sequence[ModelCall],
     *,
@@ -163,34 +144,50 @@ def build_tree(
     order, parent, node_start, node_len = _flatten(root)
     index_of = {id(n): i for i, n in enumerate(order)}
     call_node = np.array([index_of[id(e)] for e in ends], dtype=np.int32)
-    n_tokens = int(node_len.sum())
     # Every call's output is the tail of its own path: one sample per generated token.
     tok = [path_tail(parent, node_start, node_len, int(call_node[c]), call.output.size) for c, call in enumerate(calls)]
-    cat = lambda arrays, dtype: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)  # noqa: E731
-    sample_token, sample_logprob, sample_run = sort_samples(
-        cat(tok, np.int64), cat([c.logprobs for c in calls], np.float32), np.zeros(sum(t.size for t in tok), np.int32),
-        cat([np.full(t.size, c) for c, t in enumerate(tok)], np.int64))
-    trained, logprobs = first_sample_columns(n_tokens, sample_token, sample_logprob)
+    return _assemble(
+        order, parent, node_start, node_len, call_node,
+        call_role=np.array([ROLE_CODE[c.role] for c in calls], dtype=np.int8), call_agent=[c.agent for c in calls],
+        sample_token=_cat(tok, np.int64), sample_logprob=_cat([c.logprobs for c in calls], np.float32),
+        sample_run=np.zeros(sum(t.size for t in tok), np.int32),
+        sample_order=_cat([np.full(t.size, c) for c, t in enumerate(tok)], np.int64),
+        run_id=run_id, task_id=task_id, reward=float(reward), status=status,
+        policy_version=int(policy_version), wall_s=float(wall_s))
+
+
+def _cat(arrays, dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype) if len(arrays) else np.zeros(0, dtype)
+
+
+def _assemble(order: list[_Node], parent, node_start, node_len, call_node, *, call_role, call_agent,
+              sample_token, sample_logprob, sample_run, sample_order, **meta) -> Tree:
+    """The Tree of a flattened trie and its samples, sorted by token, run, then ``sample_order``
+    (``Tree.targets`` relies on that order); ``trained``/``logprobs`` are the first samples."""
+    idx = np.lexsort((sample_order, sample_run, sample_token))
+    sample_token, sample_logprob = sample_token[idx].astype(np.int64), sample_logprob[idx].astype(np.float32)
+    n_tokens = int(node_len.sum())
+    trained = np.zeros(n_tokens, dtype=bool)
+    logprobs = np.zeros(n_tokens, dtype=np.float32)
+    first = np.ones(sample_token.size, dtype=bool)
+    first[1:] = sample_token[1:] != sample_token[:-1]
+    trained[sample_token] = True
+    logprobs[sample_token[first]] = sample_logprob[first]
     return Tree(
-        tokens=cat([n.tokens for n in order], np.int32),
+        tokens=_cat([n.tokens for n in order], np.int32),
         logprobs=logprobs,
         trained=trained,
         node_start=node_start,
         node_len=node_len,
         parent=parent,
         node_role=np.array([n.role for n in order], dtype=np.int8),
-        call_node=call_node,
-        call_role=np.array([ROLE_CODE[c.role] for c in calls], dtype=np.int8),
-        call_agent=[c.agent for c in calls],
-        run_id=run_id,
-        task_id=task_id,
-        reward=float(reward),
-        status=status,
-        policy_version=int(policy_version),
-        wall_s=float(wall_s),
+        call_node=np.asarray(call_node, dtype=np.int32),
+        call_role=call_role,
+        call_agent=call_agent,
         sample_token=sample_token,
         sample_logprob=sample_logprob,
-        sample_run=sample_run,
+        sample_run=sample_run[idx].astype(np.int32),
+        **meta,
     )
 
 
@@ -233,30 +230,13 @@ def group_forest(trees: Sequence[Tree]) -> Tree:
         lp.append(tree.sample_logprob)
         run.append(np.full(tree.sample_token.size, r, dtype=np.int32))
         call_node.extend(index_of[id(end[int(n)])] for n in tree.call_node)
-    cat = lambda arrays, dtype: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)  # noqa: E731
-    sample_run = cat(run, np.int32)
-    sample_token, sample_logprob, sample_run = sort_samples(
-        cat(tok, np.int64), cat(lp, np.float32), sample_run, np.arange(sample_run.size))
-    n_tokens = int(node_len.sum())
-    trained, logprobs = first_sample_columns(n_tokens, sample_token, sample_logprob)
-    return Tree(
-        tokens=cat([n.tokens for n in order], np.int32),
-        logprobs=logprobs,
-        trained=trained,
-        node_start=node_start,
-        node_len=node_len,
-        parent=parent,
-        node_role=np.array([n.role for n in order], dtype=np.int8),
-        call_node=np.array(call_node, dtype=np.int32),
-        call_role=cat([t.call_role for t in trees], np.int8),
-        call_agent=[a for t in trees for a in t.call_agent],
-        run_id="+".join(t.run_id for t in trees),
-        task_id=trees[0].task_id if trees else "",
-        sample_token=sample_token,
-        sample_logprob=sample_logprob,
-        sample_run=sample_run,
-        n_runs=len(trees),
-    )
+    sample_run = _cat(run, np.int32)
+    return _assemble(
+        order, parent, node_start, node_len, call_node,
+        call_role=_cat([t.call_role for t in trees], np.int8), call_agent=[a for t in trees for a in t.call_agent],
+        sample_token=_cat(tok, np.int64), sample_logprob=_cat(lp, np.float32), sample_run=sample_run,
+        sample_order=np.arange(sample_run.size),
+        run_id="+".join(t.run_id for t in trees), task_id=trees[0].task_id if trees else "", n_runs=len(trees))
 
 
 def node_depth(tree: Tree) -> np.ndarray:
