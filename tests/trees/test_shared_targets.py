@@ -245,3 +245,15 @@ def test_a_forest_is_refused_by_the_store_and_by_run_counting(tmp_path):
         run_targets(forest, "once")
     with pytest.raises(ValueError, match="shared_targets='twice': valid rules are once, per_sample"):
         pack([forest], 64, "twice")
+
+
+def test_config_defaults_and_bad_rule_names_the_field_and_choices():
+    from gyre_hpc.config import ConfigError, build_config
+
+    train = build_config().train
+    assert (train.shared_targets, train.averaging, train.group_forest) == ("per_sample", "run", True)
+    with pytest.raises(ConfigError) as e:
+        build_config({"train": {"shared_targets": "twice"}})
+    assert "train.shared_targets" in str(e.value) and "once" in str(e.value) and "per_sample" in str(e.value)
+    with pytest.raises(ConfigError, match=r"train\.averaging"):
+        build_config({"train": {"averaging": "mean"}})
