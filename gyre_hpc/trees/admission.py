@@ -93,5 +93,6 @@ def admit(tree: Tree, max_paths: int) -> Tree:
         sample_token=new_token[tree.sample_token[sample_keep]].astype(np.int64),
         sample_logprob=tree.sample_logprob[sample_keep],
         sample_run=tree.sample_run[sample_keep],
+        sample_call=tree.sample_call[sample_keep],
     )
 

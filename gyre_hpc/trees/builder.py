@@ -151,7 +151,7 @@ def build_tree(
         call_role=np.array([ROLE_CODE[c.role] for c in calls], dtype=np.int8), call_agent=[c.agent for c in calls],
         sample_token=_cat(tok, np.int64), sample_logprob=_cat([c.logprobs for c in calls], np.float32),
         sample_run=np.zeros(sum(t.size for t in tok), np.int32),
-        sample_order=_cat([np.full(t.size, c) for c, t in enumerate(tok)], np.int64),
+        sample_call=_cat([np.full(t.size, c) for c, t in enumerate(tok)], np.int32),
         run_id=run_id, task_id=task_id, reward=float(reward), status=status,
         policy_version=int(policy_version), wall_s=float(wall_s))
 
@@ -161,10 +161,11 @@ def _cat(arrays, dtype) -> np.ndarray:
 
 
 def _assemble(order: list[_Node], parent, node_start, node_len, call_node, *, call_role, call_agent,
-              sample_token, sample_logprob, sample_run, sample_order, **meta) -> Tree:
-    """The Tree of a flattened trie and its samples, sorted by token, run, then ``sample_order``
+              sample_token, sample_logprob, sample_run, sample_call, **meta) -> Tree:
+    """The Tree of a flattened trie and its samples, sorted by token, run, then journal order
     (``Tree.targets`` relies on that order); ``trained``/``logprobs`` are the first samples."""
-    idx = np.lexsort((sample_order, sample_run, sample_token))
+    # A stable sort: samples of unknown call (-1, schema-1 data) keep their given order.
+    idx = np.lexsort((sample_call, sample_run, sample_token))
     sample_token, sample_logprob = sample_token[idx].astype(np.int64), sample_logprob[idx].astype(np.float32)
     n_tokens = int(node_len.sum())
     trained = np.zeros(n_tokens, dtype=bool)
@@ -187,6 +188,7 @@ def _assemble(order: list[_Node], parent, node_start, node_len, call_node, *, ca
         sample_token=sample_token,
         sample_logprob=sample_logprob,
         sample_run=sample_run[idx].astype(np.int32),
+        sample_call=sample_call[idx].astype(np.int32),
         **meta,
     )
 
@@ -235,7 +237,7 @@ def group_forest(trees: Sequence[Tree]) -> Tree:
         order, parent, node_start, node_len, call_node,
         call_role=_cat([t.call_role for t in trees], np.int8), call_agent=[a for t in trees for a in t.call_agent],
         sample_token=_cat(tok, np.int64), sample_logprob=_cat(lp, np.float32), sample_run=sample_run,
-        sample_order=np.arange(sample_run.size),
+        sample_call=_cat([t.sample_call for t in trees], np.int32),
         run_id="+".join(t.run_id for t in trees), task_id=trees[0].task_id if trees else "", n_runs=len(trees))
 
 

@@ -73,11 +73,13 @@ class Tree:
     dropped_calls: list[int] = field(default_factory=list)
     # Sampling events, one per (call, generated position), sorted by token then journal order:
     # ``sample_token`` (tree-local token index), ``sample_logprob`` (that call's own behaviour
-    # logprob), ``sample_run`` (run within a group forest, 0 in a run's own tree). None (a tree
-    # of schema 1, or built by hand) means one sample per trained token with ``logprobs``.
+    # logprob), ``sample_run`` (run within a group forest, 0 in a run's own tree),
+    # ``sample_call`` (journal index of the sampling call, -1 unknown). None (a tree of schema 1,
+    # or built by hand) means one sample per trained token with ``logprobs``.
     sample_token: np.ndarray | None = None     # int64 [S]
     sample_logprob: np.ndarray | None = None   # float32 [S]
     sample_run: np.ndarray | None = None       # int32 [S]
+    sample_call: np.ndarray | None = None      # int32 [S]
     n_runs: int = 1                            # runs a group forest holds; 1 for a run's tree
 
     def __post_init__(self) -> None:
@@ -88,6 +90,8 @@ class Tree:
             raise ValueError("Tree.sample_logprob is missing while sample_token is given")
         if self.sample_run is None:
             self.sample_run = np.zeros(np.asarray(self.sample_token).size, dtype=np.int32)
+        if self.sample_call is None:
+            self.sample_call = np.full(np.asarray(self.sample_token).size, -1, dtype=np.int32)
 
     @property
     def multiplicity(self) -> np.ndarray:

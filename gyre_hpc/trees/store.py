@@ -60,7 +60,7 @@ _CACHE_PER_ARRAY = 4
 _TOKEN_ARRAYS = ("tokens", "logprobs", "trained")
 _NODE_ARRAYS = ("node_start", "node_len", "parent", "role")
 _CALL_ARRAYS = ("call_node", "call_role", "call_agent")
-_SAMPLE_ARRAYS = ("sample_token", "sample_logprob")
+_SAMPLE_ARRAYS = ("sample_token", "sample_logprob", "sample_call")
 
 
 @dataclass(frozen=True)

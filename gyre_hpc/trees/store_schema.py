@@ -73,6 +73,7 @@ ARRAYS: tuple[ArraySpec, ...] = (
     ArraySpec("multiplicity", "token", "int32", "calls that sampled the token (0: context)", since=2),
     ArraySpec("sample_token", "sample", "int64", "absolute index into dim token of the sampled token", since=2),
     ArraySpec("sample_logprob", "sample", "float32", "behaviour logprob of that sampling call", since=2),
+    ArraySpec("sample_call", "sample", "int32", "journal index of the call that sampled it (-1 unknown)", since=2),
     ArraySpec("sample_tree", "sample", "int64", "index into dim tree", since=2),
     ArraySpec("sample_offset", "tree", "int64", "first row in dim sample", since=2),
     ArraySpec("n_samples", "tree", "int64", "rows in dim sample", since=2),
@@ -222,6 +223,10 @@ def validate_tree(tree: Tree, where: str) -> None:
     if np.asarray(tree.sample_logprob).shape != sample.shape:
         raise InvalidTreeError(f"{where}.sample_logprob: shape {np.asarray(tree.sample_logprob).shape}, "
                                f"expected ({sample.size},) like sample_token")
+    if np.asarray(tree.sample_call).shape != sample.shape:
+        raise InvalidTreeError(f"{where}.sample_call: shape {np.asarray(tree.sample_call).shape}, "
+                               f"expected ({sample.size},) like sample_token")
+    _as_int(tree.sample_call, "int32", f"{where}.sample_call")
     if not np.all(np.isfinite(np.asarray(tree.sample_logprob, dtype=np.float64))):
         raise InvalidTreeError(f"{where}.sample_logprob: contains NaN or inf")
     if sample.size and (sample.min() < 0 or sample.max() >= t or np.any(np.diff(sample) < 0)):
@@ -248,6 +253,7 @@ def flatten_trees(trees: list[Tree], base: dict[str, int]) -> dict[str, np.ndarr
         cols["multiplicity"].append(tree.multiplicity)
         cols["sample_token"].append(np.asarray(tree.sample_token, dtype=np.int64) + off["token"])
         cols["sample_logprob"].append(np.asarray(tree.sample_logprob, dtype=np.float32))
+        cols["sample_call"].append(np.asarray(tree.sample_call, dtype=np.int32))
         cols["sample_tree"].append(np.full(s, tree_index, dtype=np.int64))
         cols["tokens"].append(np.asarray(tree.tokens, dtype=np.int32))
         cols["logprobs"].append(np.asarray(tree.logprobs, dtype=np.float32))
@@ -309,7 +315,8 @@ def tree_from_columns(row: dict, cols: dict[str, np.ndarray]) -> Tree:
     samples = {}
     if "sample_token" in cols:
         samples = dict(sample_token=np.asarray(cols["sample_token"], dtype=np.int64) - token_offset,
-                       sample_logprob=np.asarray(cols["sample_logprob"], dtype=np.float32))
+                       sample_logprob=np.asarray(cols["sample_logprob"], dtype=np.float32),
+                       sample_call=np.asarray(cols["sample_call"], dtype=np.int32))
     return Tree(
         tokens=np.asarray(cols["tokens"], dtype=np.int32),
         logprobs=np.asarray(cols["logprobs"], dtype=np.float32),

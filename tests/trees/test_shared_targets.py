@@ -43,6 +43,7 @@ def test_minimal_case_trains_two_positions_with_multiplicity_two_or_one():
     assert tree.n_tokens == 5 and int(tree.trained.sum()) == 2
     assert tree.multiplicity[tree.trained].tolist() == [2, 2]
     np.testing.assert_array_equal(tree.sample_logprob, np.float32([-0.7, -0.9, -1.1, -1.3]))  # each call's own
+    assert tree.sample_call.tolist() == [0, 1, 0, 1]
     (row_each,) = pack([tree], 16, "per_sample")
     (row_once,) = pack([tree], 16, "once")
     assert row_each.n_loss_tokens == row_once.n_loss_tokens == 2
@@ -213,6 +214,7 @@ def test_group_forest_stores_the_shared_prompt_once_with_each_run_s_samples():
     pos = np.repeat(depth, forest.node_len) + (np.arange(forest.n_tokens) - np.repeat(forest.node_start, forest.node_len))
     at20 = (forest.tokens[forest.sample_token] == 20) & (pos[forest.sample_token] == 5)
     assert forest.sample_run[at20].tolist() == [0, 0, 0, 1]
+    assert forest.sample_call[at20].tolist() == [0, 1, 2, 0]     # journal index within its run
     # Every call's path is still exactly its prompt + output.
     for c, call in enumerate(journals[0] + journals[1]):
         np.testing.assert_array_equal(forest.path(c), np.concatenate([call.prompt, call.output]))

@@ -546,6 +546,7 @@ def test_a_store_written_in_schema_1_still_reads_with_one_sample_per_trained_tok
     assert rebuilt.multiplicity[rebuilt.trained].tolist() == [2, 2]     # what schema 2 records
     assert a.multiplicity[a.trained].tolist() == [1, 1]                 # what schema 1 knew
     np.testing.assert_array_equal(a.sample_logprob, np.float32([-0.5, -0.25]))
+    assert a.sample_call.tolist() == [-1, -1]                            # not recorded then
     assert (b.run_id, b.status, b.n_paths, int(b.trained.sum())) == ("b", "timeout", 3, 4)  # 6 7 8, and 1 (7 is shared)
     assert int(store.dataset().sizes["token"]) == a.n_tokens + b.n_tokens
     with pytest.raises(StoreError, match=r"schema 1 store is read-only to this code.*mode='r'"):
