@@ -79,6 +79,13 @@ class TrainConfig(_Section):
     max_paths_per_run: int = Field(8, ge=1)
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     checkpoint_every: int = Field(1, ge=1)
+    shared_targets: Literal["per_sample", "once"] = Field(
+        "per_sample", description="a position several calls sampled trains once per sample (unbiased) "
+                                  "or once (the paper's tree mask); docs/trees.md")
+    averaging: Literal["run", "global"] = Field(
+        "run", description="token mean within each run, then over runs; or one mean over the step's tokens")
+    group_forest: bool = Field(
+        True, description="pack an advantage group's trees as one forest, its common prompt computed once")
 
 
 class RolloutConfig(_Section):

@@ -112,7 +112,7 @@ def _numpy_append(path: Path, batches: list[list[Tree]], fsync: bool) -> float:
 
     t0 = time.perf_counter()
     path.mkdir()
-    base = {"tree": 0, "token": 0, "node": 0, "call": 0, "dropped": 0}
+    base = {"tree": 0, "token": 0, "node": 0, "call": 0, "dropped": 0, "sample": 0}
     for k, batch in enumerate(batches):
         cols = flatten_trees(batch, base)
         d = path / f"batch-{k:05d}"
@@ -129,6 +129,7 @@ def _numpy_append(path: Path, batches: list[list[Tree]], fsync: bool) -> float:
             base["node"] += tree.n_nodes
             base["call"] += tree.n_paths
             base["dropped"] += len(tree.dropped_calls)
+            base["sample"] += int(tree.sample_token.size)
     if fsync:
         _fsync(path)
     return time.perf_counter() - t0
@@ -143,11 +144,13 @@ def _numpy_stream(path: Path) -> tuple[float, list[Tree]]:
     for d in sorted(path.iterdir()):
         cols = {s.name: np.load(d / f"{s.name}.npy", allow_pickle=s.dtype == "str") for s in ARRAYS}
         base = {"token": int(cols["token_offset"][0]), "node": int(cols["node_offset"][0]),
-                "call": int(cols["call_offset"][0]), "dropped": int(cols["dropped_offset"][0])}
+                "call": int(cols["call_offset"][0]), "dropped": int(cols["dropped_offset"][0]),
+                "sample": int(cols["sample_offset"][0])}
         for i in range(cols["run_id"].shape[0]):
             row = {s.name: cols[s.name][i] for s in ARRAYS if s.dim == "tree"}
             spans = {"token": (row["token_offset"], row["n_tokens"]), "node": (row["node_offset"], row["n_nodes"]),
-                     "call": (row["call_offset"], row["n_paths"]), "dropped": (row["dropped_offset"], row["n_dropped"])}
+                     "call": (row["call_offset"], row["n_paths"]), "dropped": (row["dropped_offset"], row["n_dropped"]),
+                     "sample": (row["sample_offset"], row["n_samples"])}
             part = {}
             for s in ARRAYS:
                 if s.dim != "tree":

@@ -3,9 +3,11 @@
 A step's trees arrive an advantage group at a time (a group is trainable once its G runs are
 done: advantages are normalised within it). Each group is packed on its own into rows of
 ``train.row_tokens`` and the rows are cut into micro-batches of at most
-``train.micro_batch_tokens``; row ``run_index`` values index the group's runs, and each
-micro-batch carries that group's advantages and per-run trained-token counts, so a replica
-computes its exact share of the step loss without seeing the rest of the step.
+``train.micro_batch_tokens``; row ``sample_run`` values index the group's runs, and each
+micro-batch carries that group's advantages and per-run target counts, so a replica
+computes its exact share of the step loss without seeing the rest of the step. With
+``train.group_forest`` the group is packed as one forest (``trees.builder.group_forest``):
+the task prompt the runs share is computed once, and the loss is the same.
 
 Dealing: every replica should finish the step's work at the same moment. The controller
 keeps each replica's measured training tokens/s and hands the next micro-batch to the replica
@@ -21,7 +23,8 @@ import numpy as np
 
 from gyre_hpc.rl.trainer import MicroBatch
 from gyre_hpc.trees.admission import admit
-from gyre_hpc.trees.loss import group_advantages
+from gyre_hpc.trees.builder import group_forest
+from gyre_hpc.trees.loss import group_advantages, run_targets
 from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.packing import pack
 
@@ -31,24 +34,26 @@ def admit_group(trees: Sequence[Tree], max_paths: int) -> list[Tree]:
 
 
 def group_micro_batches(trees: Sequence[Tree], step: int, first_id: int, row_tokens: int,
-                        micro_batch_tokens: int) -> list[MicroBatch]:
+                        micro_batch_tokens: int, shared_targets: str = "per_sample", averaging: str = "run",
+                        forest: bool = True) -> list[MicroBatch]:
     """One advantage group's trees as micro-batches (ids from ``first_id``)."""
     if not trees:
         return []
     advantages = group_advantages([t.reward for t in trees], [t.task_id for t in trees])
-    run_tokens = np.array([int(t.trained.sum()) for t in trees], dtype=np.int64)
-    rows = [r for r in pack(trees, row_tokens) if r.n_loss_tokens > 0]
+    run_tokens = np.array([run_targets(t, shared_targets) for t in trees], dtype=np.int64)
+    units = [group_forest(trees)] if forest else list(trees)
+    rows = [r for r in pack(units, row_tokens, shared_targets) if r.n_loss_tokens > 0]
     out: list[MicroBatch] = []
     current: list = []
     size = 0
     for row in rows:
         if current and size + row.n_tokens > micro_batch_tokens:
-            out.append(MicroBatch(step, first_id + len(out), tuple(current), advantages, run_tokens))
+            out.append(MicroBatch(step, first_id + len(out), tuple(current), advantages, run_tokens, averaging))
             current, size = [], 0
         current.append(row)
         size += row.n_tokens
     if current:
-        out.append(MicroBatch(step, first_id + len(out), tuple(current), advantages, run_tokens))
+        out.append(MicroBatch(step, first_id + len(out), tuple(current), advantages, run_tokens, averaging))
     return out
 
 

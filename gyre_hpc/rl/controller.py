@@ -53,12 +53,13 @@ from gyre_hpc.rl.tasks import load_tasks
 from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
-from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
+from gyre_hpc.rl.trainer import MicroBatch
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import EngineRow, MetricsWriter, RunRow, StepRow
 from gyre_hpc.sched.staleness import staleness_bound
 from gyre_hpc.sched.state import CellState, ClusterState, Policy, Role, RoleChange
 from gyre_hpc.trees.builder import build_tree
+from gyre_hpc.trees.loss import run_targets, step_denominator
 from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.store import TreeStore
 
@@ -291,8 +292,9 @@ class RLController:
             self.store.append(trees)
             for o, t in zip(outs, trees):
                 o.tree = t
-        mbs = group_micro_batches(trees, st.step, st.next_mb, self.cfg.train.row_tokens,
-                                  self.cfg.train.micro_batch_tokens)
+        tc = self.cfg.train
+        mbs = group_micro_batches(trees, st.step, st.next_mb, tc.row_tokens, tc.micro_batch_tokens,
+                                  tc.shared_targets, tc.averaging, tc.group_forest)
         st.next_mb += len(mbs)
         st.pending.extend(mbs)
         st.groups_changed = True
@@ -481,7 +483,10 @@ class RLController:
         if stale:
             raise RuntimeError(f"step {st.step}: runs {stale[:5]} were sampled more than "
                                f"scheduler.max_staleness={gate} versions behind version {st.start_version}")
-        n_runs = runs_in_step([int(o.tree.trained.sum()) for o in outs])
+        # The divisor of the summed gradient: runs with a target (train.averaging run) or the
+        # step's targets (global); Finish carries it in n_runs.
+        n_runs = step_denominator([run_targets(o.tree, self.cfg.train.shared_targets) for o in outs],
+                                  self.cfg.train.averaging)
         ranks = train_ranks(self.cells)
         checksums = None
         optimizer_s = sync_s = 0.0

@@ -13,13 +13,14 @@ Gradient weighting. The loss module's contract is "sum over tokens of
 (a group's advantages exist once its G runs are done), before the step's run count is known.
 So micro-batches are computed with per-run weights ``1/run tokens`` (``StepWeights`` with
 ``n_runs=1``), replicas' gradients are summed (allreduce), and the sum is divided by the
-step's run count once at the end: the same gradient as the full-batch loss, exactly.
+step's run count once at the end: the same gradient as the full-batch loss, exactly. Under
+``train.averaging: global`` every target weighs 1 in a micro-batch and the sum is divided
+by the step's targets instead (``trees.loss.step_denominator``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -41,8 +42,9 @@ class MicroBatch:
     step: int
     mb_id: int
     rows: tuple[PackedRow, ...]
-    advantages: np.ndarray      # float64 [R], R = runs referenced by run_index
-    run_tokens: np.ndarray      # int64 [R]
+    advantages: np.ndarray      # float64 [R], R = runs referenced by the rows' sample_run
+    run_tokens: np.ndarray      # int64 [R], targets of each run under train.shared_targets
+    averaging: str = "run"      # train.averaging
 
     @property
     def tokens(self) -> int:
@@ -53,8 +55,9 @@ class MicroBatch:
         return sum(r.n_loss_tokens for r in self.rows)
 
     def weights(self) -> StepWeights:
-        # n_runs=1: the 1/(runs in step) factor is applied once, after the allreduce.
-        return StepWeights(self.advantages, self.run_tokens, 1)
+        # n_runs=1 (total_tokens=1): the 1/(runs in step) (1/(targets in step)) factor is
+        # applied once, after the allreduce.
+        return StepWeights(self.advantages, self.run_tokens, 1, self.averaging, total_tokens=1)
 
 
 def initial_model(cfg: RunConfig) -> TinyLM:
@@ -150,7 +153,3 @@ class RLTrainer:
                                           f"the model needs {tuple(t.shape)}")
                 t.copy_(src)
 
-
-def runs_in_step(run_tokens: Sequence[int]) -> int:
-    """Runs that count in the step average: those with at least one trained token."""
-    return int(sum(1 for n in run_tokens if n > 0))

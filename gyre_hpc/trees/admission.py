@@ -7,7 +7,7 @@ paths) before prefix paths, because a maximal path carries every output along it
 prefix; then journal order. Nodes that no kept path uses are pruned.
 
 What stays trained: every position on a kept path that the policy generated keeps its
-target, even where the call that generated it was left out. That happens when a left-out
+target (and every sample there, for ``train.shared_targets: per_sample``), even where the call that generated it was left out. That happens when a left-out
 call's path is a prefix of a kept one (the usual case: call k+1's prompt extends call k's
 prompt and output); its tokens sit in exactly the context the policy saw, so training
 them is exact and costs nothing. Every left-out call is listed in ``dropped_calls``
@@ -70,6 +70,11 @@ def admit(tree: Tree, max_paths: int) -> Tree:
     parent = tree.parent[old_nodes]
     parent = np.where(parent >= 0, new_index[np.maximum(parent, 0)], -1).astype(np.int32)
 
+    # A sample survives with its position: under per_sample a left-out call's sampling event
+    # on a kept path trains too, for the same reason its position does under once.
+    new_token = np.cumsum(token_keep) - 1
+    sample_keep = token_keep[tree.sample_token]
+
     # Map this tree's call indices back to the original journal (the tree may be admitted already).
     original = np.setdiff1d(np.arange(tree.n_paths + len(tree.dropped_calls)), tree.dropped_calls)
     return replace(
@@ -85,5 +90,9 @@ def admit(tree: Tree, max_paths: int) -> Tree:
         call_role=tree.call_role[keep],
         call_agent=[tree.call_agent[c] for c in keep],
         dropped_calls=sorted(tree.dropped_calls + original[dropped_local].tolist()),
+        sample_token=new_token[tree.sample_token[sample_keep]].astype(np.int64),
+        sample_logprob=tree.sample_logprob[sample_keep],
+        sample_run=tree.sample_run[sample_keep],
+        sample_call=tree.sample_call[sample_keep],
     )
 

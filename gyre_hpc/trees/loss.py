@@ -4,6 +4,13 @@ Per trained token: a PPO-style clipped surrogate with importance ratio
 ``exp(logp - behaviour_logp)`` and the run's advantage (its reward normalised within the
 runs of the same task). Tokens are averaged within their run, then runs are averaged.
 
+What a "token" is here: a *target* of the ``train.shared_targets`` rule. Under ``per_sample``
+a position that k calls sampled is k targets (each with its own behaviour logprob), under
+``once`` it is one. The averaging rule (``train.averaging``): ``run`` (default; the paper's
+rule: a run's weight does not grow with its number of paths or tokens) divides by the run's
+targets x runs in the step; ``global`` divides every target by all targets of the step (the
+token mean AReaL-style trainers use, for comparison with peers).
+
 Why the weights come from outside: a micro-batch sees only part of a run's tokens and
 part of the step's runs, so it cannot know the denominators. :class:`StepWeights` is
 computed once for the whole step, every token's weight is ``1 / (tokens of its run x
@@ -49,28 +56,62 @@ class StepWeights:
     """Per-run figures of a whole training step, fixed before any micro-batch runs."""
 
     advantages: np.ndarray   # float64 [R]
-    run_tokens: np.ndarray   # int64 [R], trained tokens of each run in the step
-    n_runs: int              # runs with at least one trained token
+    run_tokens: np.ndarray   # int64 [R], targets of each run in the step
+    n_runs: int              # runs with at least one target
+    averaging: str = "run"   # AVERAGING
+    # global averaging's denominator; None: the targets of these runs. The streaming trainer
+    # passes 1 and divides by the step's total once, after the allreduce.
+    total_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.averaging not in AVERAGING:
+            raise ValueError(f"StepWeights averaging={self.averaging!r}: valid rules are {', '.join(AVERAGING)}")
 
     @classmethod
-    def from_trees(cls, trees: Sequence[Tree]) -> "StepWeights":
+    def from_trees(cls, trees: Sequence[Tree], shared_targets: str = "per_sample",
+                   averaging: str = "run") -> "StepWeights":
         return cls.from_counts([t.reward for t in trees], [t.task_id for t in trees],
-                               [int(t.trained.sum()) for t in trees])
+                               [run_targets(t, shared_targets) for t in trees], averaging)
 
     @classmethod
-    def from_counts(cls, rewards: Sequence[float], task_ids: Sequence[str], run_tokens: Sequence[int]) -> "StepWeights":
+    def from_counts(cls, rewards: Sequence[float], task_ids: Sequence[str], run_tokens: Sequence[int],
+                    averaging: str = "run") -> "StepWeights":
         run_tokens = np.asarray(run_tokens, dtype=np.int64)
         # A run with nothing to train (every output empty or pruned) has no average to take:
         # it is left out of the run count rather than diluting the others.
-        return cls(group_advantages(rewards, task_ids), run_tokens, int((run_tokens > 0).sum()))
+        return cls(group_advantages(rewards, task_ids), run_tokens, int((run_tokens > 0).sum()), averaging)
 
     @property
     def run_weight(self) -> np.ndarray:
-        """Weight of one token of each run: 1 / (its run's tokens x runs in the step)."""
+        """Weight of one target of each run: 1 / (its run's targets x runs in the step) under
+        ``run`` averaging, 1 / (targets in the step) under ``global``."""
         w = np.zeros(self.run_tokens.size, dtype=np.float64)
         has = self.run_tokens > 0
-        w[has] = 1.0 / (self.run_tokens[has] * self.n_runs)
+        if self.averaging == "global":
+            w[has] = 1.0 / (self.total_tokens if self.total_tokens is not None else int(self.run_tokens.sum()))
+        else:
+            w[has] = 1.0 / (self.run_tokens[has] * self.n_runs)
         return w
+
+
+AVERAGING = ("run", "global")
+
+
+def run_targets(tree: Tree, shared_targets: str) -> int:
+    """Targets of one run's tree under the rule: its token count for averaging."""
+    if tree.n_runs != 1:
+        raise ValueError(f"run_targets: tree {tree.run_id!r} is a group forest of {tree.n_runs} runs; "
+                         "count targets on the runs' own trees")
+    return int(tree.n_targets(shared_targets)[0])
+
+
+def step_denominator(run_tokens: Sequence[int], averaging: str) -> int:
+    """What the summed gradient of micro-batches weighted with ``n_runs=1`` (run averaging) or
+    ``total_tokens=1`` (global) is divided by: runs with a target, or the step's targets."""
+    if averaging not in AVERAGING:
+        raise ValueError(f"averaging={averaging!r}: valid rules are {', '.join(AVERAGING)}")
+    counts = [int(n) for n in run_tokens]
+    return sum(counts) if averaging == "global" else sum(1 for n in counts if n > 0)
 
 
 def clipped_pg_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantage: torch.Tensor,
@@ -85,7 +126,8 @@ def packed_token_logprobs(logits: torch.Tensor, batch: PackedBatch):
     """log p(token | its own path) for every loss token of the batch, and where they sit.
 
     Only the loss tokens' predecessor rows of the logits go through log_softmax, so the
-    [N, V] work is proportional to trained tokens, not to the row length.
+    [N, V] work is proportional to trained positions, not to the row length (nor to how
+    many samples a position carries).
     """
     b, j = batch.loss_mask.nonzero(as_tuple=True)
     pred = batch.pred_index[b, j]
@@ -95,14 +137,21 @@ def packed_token_logprobs(logits: torch.Tensor, batch: PackedBatch):
     return logp.gather(-1, batch.input_ids[b, j][:, None])[:, 0], (b, j)
 
 
+def sample_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """log p of each target (sample) of the batch: its position's log-prob, shared by samples."""
+    logp, (b, j) = packed_token_logprobs(logits, batch)
+    slot = torch.full(batch.loss_mask.shape, -1, dtype=torch.long, device=logp.device)
+    slot[b, j] = torch.arange(b.numel(), device=logp.device)
+    return logp[slot[batch.sample_row, batch.sample_index]]
+
+
 def tree_loss(logits: torch.Tensor, batch: PackedBatch, weights: StepWeights, clip_eps: float) -> torch.Tensor:
     """This micro-batch's share of the step loss (sum it over micro-batches; see module doc)."""
-    logp, (b, j) = packed_token_logprobs(logits, batch)
-    run = batch.run_index[b, j]
+    run = batch.sample_run
     as_t = lambda a: torch.as_tensor(a, dtype=logits.dtype, device=logits.device)  # noqa: E731
     return clipped_pg_loss(
-        logp,
-        batch.behaviour_logprobs[b, j].to(logits.dtype),
+        sample_logprobs(logits, batch),
+        batch.sample_logprobs.to(logits.dtype),
         as_t(weights.advantages)[run],
         as_t(weights.run_weight)[run],
         clip_eps,

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 ROLES = ("main", "subagent", "summary")
+# How a position that several calls sampled is trained (``train.shared_targets``): ``once``
+# (the paper's tree-mask rule: one target, the first call's behaviour logprob) or
+# ``per_sample`` (one target per sampling event, each with its own behaviour logprob: the
+# score-function estimator of the run's gradient). docs/trees.md says why per_sample is the default.
+SHARED_TARGETS = ("once", "per_sample")
 ROLE_CODE = {r: i for i, r in enumerate(ROLES)}
 STATUSES = ("finished", "timeout", "failed")
 
@@ -66,6 +71,51 @@ class Tree:
     wall_s: float = 0.0
     # Calls that admission left out (indices into the original journal), never silently dropped.
     dropped_calls: list[int] = field(default_factory=list)
+    # Sampling events, one per (call, generated position), sorted by token then journal order:
+    # ``sample_token`` (tree-local token index), ``sample_logprob`` (that call's own behaviour
+    # logprob), ``sample_run`` (run within a group forest, 0 in a run's own tree),
+    # ``sample_call`` (journal index of the sampling call, -1 unknown). None (a tree of schema 1,
+    # or built by hand) means one sample per trained token with ``logprobs``.
+    sample_token: np.ndarray | None = None     # int64 [S]
+    sample_logprob: np.ndarray | None = None   # float32 [S]
+    sample_run: np.ndarray | None = None       # int32 [S]
+    sample_call: np.ndarray | None = None      # int32 [S]
+    n_runs: int = 1                            # runs a group forest holds; 1 for a run's tree
+
+    def __post_init__(self) -> None:
+        if self.sample_token is None:
+            self.sample_token = np.flatnonzero(np.asarray(self.trained, dtype=bool)).astype(np.int64)
+            self.sample_logprob = np.asarray(self.logprobs, dtype=np.float32)[self.sample_token]
+        if self.sample_logprob is None:
+            raise ValueError("Tree.sample_logprob is missing while sample_token is given")
+        if self.sample_run is None:
+            self.sample_run = np.zeros(np.asarray(self.sample_token).size, dtype=np.int32)
+        if self.sample_call is None:
+            self.sample_call = np.full(np.asarray(self.sample_token).size, -1, dtype=np.int32)
+
+    @property
+    def multiplicity(self) -> np.ndarray:
+        """Calls that sampled each token (0 where the policy did not generate it)."""
+        return np.bincount(self.sample_token, minlength=self.n_tokens).astype(np.int32)
+
+    def targets(self, shared_targets: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token, behaviour logprob, run) of each target under the rule (see SHARED_TARGETS).
+
+        ``once`` keeps the first sample of each (token, run): in a run's own tree that is the
+        first call in journal order that generated the position, the builder's ``logprobs``.
+        """
+        if shared_targets == "per_sample":
+            return self.sample_token, self.sample_logprob, self.sample_run
+        if shared_targets != "once":
+            raise ValueError(f"shared_targets={shared_targets!r}: valid rules are {', '.join(SHARED_TARGETS)}")
+        key = self.sample_token * max(self.n_runs, 1) + self.sample_run
+        first = np.ones(key.size, dtype=bool)
+        first[1:] = key[1:] != key[:-1]     # samples are sorted by token, runs ascending within one
+        return self.sample_token[first], self.sample_logprob[first], self.sample_run[first]
+
+    def n_targets(self, shared_targets: str) -> np.ndarray:
+        """Targets per run of the tree under the rule: the run's token count for averaging."""
+        return np.bincount(self.targets(shared_targets)[2], minlength=self.n_runs).astype(np.int64)
 
     @property
     def n_tokens(self) -> int:

@@ -17,6 +17,13 @@ same positions, no loss (``loss_mask`` False), so each trained token is scored o
 the row that owns it. A node is never cut, because the ancestors plus the node are one
 call's path at most, so a row that holds the longest path holds any node with its
 context, and cutting would only repeat the node's head as well.
+
+Samples. A trained position can carry several sampling events (calls that generated the
+same tokens from the same context; runs of a group forest sharing an opening). The row
+lists the targets the ``shared_targets`` rule keeps (``Tree.targets``): ``sample_index`` (row
+token), ``sample_logprobs`` (that sample's behaviour logprob) and ``sample_run`` (index of its
+run among all runs of the units given to ``pack``: unit k's runs start after the ``n_runs`` of
+units before it, so with plain trees it is the tree's index). The loss scores each sample.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch
 
 from gyre_hpc.models.tiny_lm import PAD_ID
 from gyre_hpc.trees.builder import node_depth
-from gyre_hpc.trees.model import Tree
+from gyre_hpc.trees.model import SHARED_TARGETS, Tree
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,10 @@ class PackedRow:
     pred_index: np.ndarray       # int64, row index of the path predecessor, -1 for a path's first token
     loss_mask: np.ndarray        # bool, trained and owned by this row
     behaviour_logprobs: np.ndarray  # float32, meaningful where loss_mask
-    run_index: np.ndarray        # int64, index of the token's tree in the list given to pack()
+    run_index: np.ndarray        # int64, index of the token's packing unit in the list given to pack()
+    sample_index: np.ndarray     # int64 [S], row index of each target's token
+    sample_logprobs: np.ndarray  # float32 [S], that target's behaviour logprob
+    sample_run: np.ndarray       # int64 [S], run of the target (see module docstring)
 
     @property
     def n_tokens(self) -> int:
@@ -50,6 +60,10 @@ class PackedRow:
     @property
     def n_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.sample_index.size)
 
 
 @dataclass
@@ -63,8 +77,8 @@ class _Span:
 
 
 class _RowBuilder:
-    def __init__(self, trees: Sequence[Tree], depths: list[np.ndarray]):
-        self.trees, self.depths = trees, depths
+    def __init__(self, trees: Sequence[Tree], depths: list[np.ndarray], targets: list[tuple]):
+        self.trees, self.depths, self.targets = trees, depths, targets
         self.spans: list[_Span] = []
         self.length = 0
 
@@ -81,6 +95,7 @@ class _RowBuilder:
         blp = np.zeros(L, np.float32)
         run = np.empty(L, np.int64)
         end = np.empty(L, np.int64)
+        samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         # Row offset of each (run, node), for predecessors and subtree ends.
         base: dict[tuple[int, int], int] = {}
         at = 0
@@ -96,7 +111,10 @@ class _RowBuilder:
             parent = int(tree.parent[s.node])
             pred[at] = -1 if parent < 0 else base[(s.run, parent)] + int(tree.node_len[parent]) - 1
             if s.owned:
-                loss[sl] = tree.trained[g0:g0 + n]
+                tok, lp, sr = self.targets[s.run]
+                lo, hi = np.searchsorted(tok, [g0, g0 + n])
+                samples.append((tok[lo:hi] - g0 + at, lp[lo:hi], sr[lo:hi]))
+                loss[tok[lo:hi] - g0 + at] = True
                 blp[sl] = tree.logprobs[g0:g0 + n]
             at += n
         # A node's subtree ends where its last descendant in this row ends; rows are preorder,
@@ -108,16 +126,25 @@ class _RowBuilder:
                 sub_end[pkey] = max(sub_end[pkey], sub_end[key])
         for key, start in base.items():
             end[start:start + self.trees[key[0]].node_len[key[1]]] = sub_end[key]
-        return PackedRow(ids, pos, end, pred, loss, blp, run)
+        cat = lambda k, dtype: np.concatenate([x[k] for x in samples]).astype(dtype) if samples else np.zeros(0, dtype)  # noqa: E731
+        return PackedRow(ids, pos, end, pred, loss, blp, run, cat(0, np.int64), cat(1, np.float32), cat(2, np.int64))
 
 
-def pack(trees: Sequence[Tree], row_tokens: int) -> list[PackedRow]:
-    """Trees depth-first into rows of at most ``row_tokens`` tokens (see module docstring)."""
+def pack(trees: Sequence[Tree], row_tokens: int, shared_targets: str = "per_sample") -> list[PackedRow]:
+    """Trees (or group forests) depth-first into rows of at most ``row_tokens`` tokens, with
+    the targets of the ``shared_targets`` rule (see module docstring)."""
     if row_tokens < 2:
         raise ValueError(f"pack row_tokens={row_tokens} must be >= 2")
+    if shared_targets not in SHARED_TARGETS:
+        raise ValueError(f"pack shared_targets={shared_targets!r}: valid rules are {', '.join(SHARED_TARGETS)}")
     depths = [node_depth(t) for t in trees]
+    run_offset = np.cumsum([0] + [t.n_runs for t in trees])
+    targets = []
+    for k, t in enumerate(trees):
+        tok, lp, sr = t.targets(shared_targets)
+        targets.append((tok, lp, sr.astype(np.int64) + run_offset[k]))
     rows: list[PackedRow] = []
-    row = _RowBuilder(trees, depths)
+    row = _RowBuilder(trees, depths, targets)
     for r, tree in enumerate(trees):
         for node in range(tree.n_nodes):
             need = int(tree.node_len[node])
@@ -127,7 +154,7 @@ def pack(trees: Sequence[Tree], row_tokens: int) -> list[PackedRow]:
                 # unless collated together).
                 if row.length:
                     rows.append(row.finish())
-                row = _RowBuilder(trees, depths)
+                row = _RowBuilder(trees, depths, targets)
                 _add_context(row, tree, r, node)
                 if row.length + need > row_tokens:
                     raise ValueError(
@@ -161,6 +188,10 @@ class PackedBatch:
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     run_index: torch.Tensor
+    sample_row: torch.Tensor       # [S] batch row of each target
+    sample_index: torch.Tensor     # [S] position of its token in that row
+    sample_logprobs: torch.Tensor  # [S]
+    sample_run: torch.Tensor       # [S]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -188,4 +219,8 @@ def collate(rows: Sequence[PackedRow], device: torch.device | str = "cpu", pad_t
         ids[b, :n], pos[b, :n], end[b, :n] = r.input_ids, r.position_ids, r.subtree_end
         pred[b, :n], loss[b, :n], blp[b, :n], run[b, :n] = r.pred_index, r.loss_mask, r.behaviour_logprobs, r.run_index
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return PackedBatch(t(ids), t(pos), t(end), t(pred), t(loss), t(blp), t(run))
+    samples = (np.concatenate([np.full(r.n_samples, b, np.int64) for b, r in enumerate(rows)]),
+               np.concatenate([r.sample_index for r in rows]).astype(np.int64),
+               np.concatenate([r.sample_logprobs for r in rows]).astype(np.float32),
+               np.concatenate([r.sample_run for r in rows]).astype(np.int64))
+    return PackedBatch(t(ids), t(pos), t(end), t(pred), t(loss), t(blp), t(run), *map(t, samples))

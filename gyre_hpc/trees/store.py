@@ -42,7 +42,7 @@ from gyre_hpc.trees.store_commit import (
     fsync_dir, marker_path, read_marker, write_marker,
 )
 from gyre_hpc.trees.store_schema import (
-    ARRAYS, DIMS, SCHEMA_VERSION, SPECS, InvalidTreeError, StoreLayout, dim_lengths,
+    ARRAYS, DIMS, READ_VERSIONS, SCHEMA_VERSION, SPECS, InvalidTreeError, StoreLayout, arrays_of, dim_lengths,
     flatten_trees, tree_from_columns, validate_tree,
 )
 
@@ -60,7 +60,7 @@ _CACHE_PER_ARRAY = 4
 _TOKEN_ARRAYS = ("tokens", "logprobs", "trained")
 _NODE_ARRAYS = ("node_start", "node_len", "parent", "role")
 _CALL_ARRAYS = ("call_node", "call_role", "call_agent")
-_TREE_ARRAYS = tuple(s.name for s in ARRAYS if s.dim == "tree")
+_SAMPLE_ARRAYS = ("sample_token", "sample_logprob", "sample_call")
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,16 @@ class TreeStore:
     def __init__(self, root: Path, group: zarr.Group, layout: StoreLayout, marker: CommitMarker,
                  writable: bool, lock_fd: int | None, fsync: bool):
         self.root = root
+        self.schema_version = marker.schema_version
+        self._specs = arrays_of(self.schema_version)
         self.layout = layout
         self._group = group
         self._marker = marker
         self._writable = writable
         self._lock_fd = lock_fd
         self._fsync = fsync
-        self._arrays = {s.name: _array(group, s.name) for s in ARRAYS}
-        self._cache: dict[str, OrderedDict[int, np.ndarray]] = {s.name: OrderedDict() for s in ARRAYS}
+        self._arrays = {s.name: _array(group, s.name) for s in self._specs}
+        self._cache: dict[str, OrderedDict[int, np.ndarray]] = {s.name: OrderedDict() for s in self._specs}
 
     # ---- opening ---------------------------------------------------------------------
 
@@ -102,12 +104,15 @@ class TreeStore:
         root = Path(path).absolute()
         if mode == "a" and not root.exists():
             _create(root, layout or StoreLayout(), fsync)
-        group, stored_layout = _open_group(root, writable=mode == "a")
+        group, stored_layout, version = _open_group(root, writable=mode == "a")
         if layout is not None and layout != stored_layout:
             raise StoreError(f"{root / 'zarr.json'}: store was created with {stored_layout}, asked for {layout}")
         lock_fd = _lock_writer(root) if mode == "a" else None
         try:
             marker = read_marker(root)
+            if marker.schema_version != version:
+                raise StoreError(f"{marker_path(root)}: schema_version {marker.schema_version}, "
+                                 f"but {root / 'zarr.json'} says {version}")
             _check_marker_fits(root, marker, stored_layout)
             store = cls(root, group, stored_layout, marker, mode == "a", lock_fd, fsync)
             if mode == "a":
@@ -125,7 +130,7 @@ class TreeStore:
             if p.is_file() and _STRAY.search(p.name):
                 p.unlink(missing_ok=True)
         self._truncate_to_marker()
-        for spec in ARRAYS:
+        for spec in self._specs:
             n_chunks = len(self._marker.checksums[spec.name])
             if n_chunks:
                 self._chunk(spec.name, n_chunks - 1, cache=False)
@@ -133,7 +138,7 @@ class TreeStore:
             self._publish(self._marker.with_closed(False))
 
     def _truncate_to_marker(self) -> None:
-        for spec in ARRAYS:
+        for spec in self._specs:
             arr = _array(self._group, spec.name)
             n = self._marker.lengths[spec.dim]
             if arr.shape[0] > n:
@@ -160,7 +165,7 @@ class TreeStore:
             return len(self)
         marker = read_marker(self.root)
         if marker.generation != self._marker.generation:
-            shrunk = [d for d in DIMS if marker.lengths[d] < self._marker.lengths[d]]
+            shrunk = [d for d in marker.lengths if marker.lengths[d] < self._marker.lengths[d]]
             if shrunk:
                 raise StoreError(
                     f"{marker_path(self.root)}: committed rows went back on dims {shrunk} "
@@ -249,13 +254,17 @@ class TreeStore:
         if not -n <= i < n:
             raise IndexError(f"tree {i} out of range: {self.root} has {n} committed trees")
         i %= n
-        row = {name: self._rows(name, i, i + 1)[0] for name in _TREE_ARRAYS}
+        row = {s.name: self._rows(s.name, i, i + 1)[0] for s in self._specs if s.dim == "tree"}
         spans = {
             "token": (row["token_offset"], row["n_tokens"]), "node": (row["node_offset"], row["n_nodes"]),
             "call": (row["call_offset"], row["n_paths"]), "dropped": (row["dropped_offset"], row["n_dropped"]),
         }
+        names = (*_TOKEN_ARRAYS, *_NODE_ARRAYS, *_CALL_ARRAYS, "dropped_call")
+        if self.schema_version >= 2:
+            spans["sample"] = (row["sample_offset"], row["n_samples"])
+            names += _SAMPLE_ARRAYS
         cols = {}
-        for name in (*_TOKEN_ARRAYS, *_NODE_ARRAYS, *_CALL_ARRAYS, "dropped_call"):
+        for name in names:
             lo, count = spans[SPECS[name].dim]
             cols[name] = self._rows(name, int(lo), int(lo) + int(count))
         return tree_from_columns(row, cols)
@@ -301,16 +310,16 @@ class TreeStore:
         """
         import xarray as xr
 
-        cut = {d: slice(0, self._marker.lengths[d]) for d in DIMS}
+        cut = {d: slice(0, n) for d, n in self._marker.lengths.items()}
         try:
             ds = xr.open_zarr(self.root, consolidated=False)
             return ds.isel({d: cut[d] for d in ds.dims})
         except ValueError:
-            names = [s.name for s in ARRAYS]
+            names = [s.name for s in self._specs]
             parts = [
                 xr.open_zarr(self.root, consolidated=False, drop_variables=[n for n in names if n != spec.name])
                 .isel({spec.dim: cut[spec.dim]})
-                for spec in ARRAYS
+                for spec in self._specs
             ]
             return xr.merge(parts, combine_attrs="override", join="exact")
 
@@ -319,7 +328,7 @@ class TreeStore:
         each bad (array, chunk index, file), else says how much was checked."""
         problems: list[CorruptChunk] = []
         chunks = 0
-        for spec in ARRAYS:
+        for spec in self._specs:
             for k in range(len(self._marker.checksums[spec.name])):
                 chunks += 1
                 try:
@@ -443,7 +452,7 @@ def _create(root: Path, layout: StoreLayout, fsync: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _open_group(root: Path, writable: bool) -> tuple[zarr.Group, StoreLayout]:
+def _open_group(root: Path, writable: bool) -> tuple[zarr.Group, StoreLayout, int]:
     meta = root / "zarr.json"
     if not root.exists():
         raise StoreError(f"{root} does not exist: no tree store there")
@@ -457,15 +466,20 @@ def _open_group(root: Path, writable: bool) -> tuple[zarr.Group, StoreLayout]:
     info = group.attrs.get(ATTR_KEY)
     if not isinstance(info, dict):
         raise StoreError(f"{meta}: not a gyre tree store (no {ATTR_KEY!r} attribute)")
-    if info.get("schema_version") != SCHEMA_VERSION:
-        raise StoreError(f"{meta}: schema_version {info.get('schema_version')!r}, this code reads version {SCHEMA_VERSION}")
+    version = info.get("schema_version")
+    if version not in READ_VERSIONS:
+        raise StoreError(f"{meta}: schema_version {version!r}, this code reads versions "
+                         f"{', '.join(map(str, READ_VERSIONS))}")
+    if writable and version != SCHEMA_VERSION:
+        raise StoreError(f"{meta}: a schema {version} store is read-only to this code, which appends schema "
+                         f"{SCHEMA_VERSION} (per-sample behaviour logprobs); open it with mode='r', or start a new store")
     try:
         layout = StoreLayout.from_json(info.get("layout"), str(meta))
     except (ValueError, TypeError) as exc:
         raise StoreError(str(exc)) from None
-    for spec in ARRAYS:
+    for spec in arrays_of(version):
         if not (root / spec.name / "zarr.json").is_file():
-            raise StoreError(f"{root / spec.name / 'zarr.json'} is missing: array {spec.name!r} of schema {SCHEMA_VERSION}")
+            raise StoreError(f"{root / spec.name / 'zarr.json'} is missing: array {spec.name!r} of schema {version}")
         try:
             arr = group[spec.name]
         except Exception as exc:
@@ -474,11 +488,11 @@ def _open_group(root: Path, writable: bool) -> tuple[zarr.Group, StoreLayout]:
             raise StoreError(
                 f"{root / spec.name / 'zarr.json'}: array {spec.name!r} has dims {arr.metadata.dimension_names} and "
                 f"chunks {arr.chunks}, schema says ({spec.dim!r},) in chunks of {layout.chunk(spec.dim)}")
-    return group, layout
+    return group, layout, version
 
 
 def _check_marker_fits(root: Path, marker: CommitMarker, layout: StoreLayout) -> None:
-    for d in DIMS:
+    for d in marker.chunks:
         if marker.chunks[d] != layout.chunk(d):
             raise StoreError(f"{marker_path(root)}: chunks.{d}={marker.chunks[d]} but the store's layout has {layout.chunk(d)}")
 

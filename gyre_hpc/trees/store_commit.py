@@ -25,7 +25,9 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from gyre_hpc.trees.store_schema import ARRAYS, DIMS, SCHEMA_VERSION, ArraySpec, canonical_bytes
+from gyre_hpc.trees.store_schema import (
+    READ_VERSIONS, SCHEMA_VERSION, ArraySpec, arrays_of, canonical_bytes, dims_of,
+)
 
 # The marker (and the writer's lock) live in an empty Zarr subgroup, so Zarr and xarray,
 # listing the root group, meet only Zarr nodes instead of warning about unknown files.
@@ -85,13 +87,14 @@ class CommitMarker:
 
     @classmethod
     def empty(cls, chunks: dict[str, int]) -> "CommitMarker":
-        return cls(SCHEMA_VERSION, 0, {d: 0 for d in DIMS}, dict(chunks), {s.name: [] for s in ARRAYS})
+        return cls(SCHEMA_VERSION, 0, {d: 0 for d in dims_of(SCHEMA_VERSION)}, dict(chunks),
+                   {s.name: [] for s in arrays_of(SCHEMA_VERSION)})
 
     def extended(self, columns: dict[str, np.ndarray], closed: bool = False) -> "CommitMarker":
         """The marker after appending ``columns`` (one array per name, rows per dim)."""
         lengths = dict(self.lengths)
         checksums = {}
-        for spec in ARRAYS:
+        for spec in arrays_of(self.schema_version):
             values = columns[spec.name]
             checksums[spec.name] = extend_checksums(
                 self.checksums[spec.name], self.lengths[spec.dim], values, self.chunks[spec.dim], spec)
@@ -167,21 +170,23 @@ def read_marker(root: Path) -> CommitMarker:
     if not isinstance(data, dict):
         raise StoreError(f"{path}: expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise StoreError(f"{path}: schema_version {version!r}, this code reads version {SCHEMA_VERSION}")
+    if version not in READ_VERSIONS:
+        raise StoreError(f"{path}: schema_version {version!r}, this code reads versions "
+                         f"{', '.join(map(str, READ_VERSIONS))}")
+    dims, arrays = dims_of(version), arrays_of(version)
     try:
         marker = CommitMarker(
             schema_version=int(version),
             generation=int(data["generation"]),
-            lengths={d: int(data["lengths"][d]) for d in DIMS},
-            chunks={d: int(data["chunks"][d]) for d in DIMS},
-            checksums={s.name: [int(x) for x in data["checksums"][s.name]] for s in ARRAYS},
+            lengths={d: int(data["lengths"][d]) for d in dims},
+            chunks={d: int(data["chunks"][d]) for d in dims},
+            checksums={s.name: [int(x) for x in data["checksums"][s.name]] for s in arrays},
             closed=bool(data.get("closed", False)),
             time=float(data.get("time", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise StoreError(f"{path}: malformed commit marker, missing or bad field {exc}") from None
-    for spec in ARRAYS:
+    for spec in arrays:
         n, chunk = marker.lengths[spec.dim], marker.chunks[spec.dim]
         expect = -(-n // chunk) if chunk > 0 else -1
         if len(marker.checksums[spec.name]) != expect:

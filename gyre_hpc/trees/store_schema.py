@@ -18,9 +18,13 @@ import numpy as np
 
 from gyre_hpc.trees.model import ROLES, STATUSES, Tree
 
-# Bump when an array is added, removed or changes meaning; readers refuse other versions.
-SCHEMA_VERSION = 1
-DIMS = ("tree", "token", "node", "call", "dropped")
+# Bump when an array is added, removed or changes meaning. Writers write SCHEMA_VERSION;
+# readers read every version in READ_VERSIONS (an array's ``since`` says where it starts).
+# 2: dim ``sample`` (every sampling event with its own behaviour logprob) and ``multiplicity``.
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)
+DIMS = ("tree", "token", "node", "call", "dropped", "sample")
+_DIM_SINCE = {"sample": 2}
 
 
 class InvalidTreeError(ValueError):
@@ -34,6 +38,7 @@ class ArraySpec:
     dtype: str          # numpy dtype string, or "str" for variable-length UTF-8
     doc: str
     codes: tuple[str, ...] | None = None   # small-int arrays: code -> label table
+    since: int = 1                          # first schema version holding the array
 
 
 ARRAYS: tuple[ArraySpec, ...] = (
@@ -65,8 +70,24 @@ ARRAYS: tuple[ArraySpec, ...] = (
     ArraySpec("call_offset", "tree", "int64", "first row in dim call"),
     ArraySpec("dropped_offset", "tree", "int64", "first row in dim dropped"),
     ArraySpec("n_dropped", "tree", "int64", "rows in dim dropped"),
+    ArraySpec("multiplicity", "token", "int32", "calls that sampled the token (0: context)", since=2),
+    ArraySpec("sample_token", "sample", "int64", "absolute index into dim token of the sampled token", since=2),
+    ArraySpec("sample_logprob", "sample", "float32", "behaviour logprob of that sampling call", since=2),
+    ArraySpec("sample_call", "sample", "int32", "journal index of the call that sampled it (-1 unknown)", since=2),
+    ArraySpec("sample_tree", "sample", "int64", "index into dim tree", since=2),
+    ArraySpec("sample_offset", "tree", "int64", "first row in dim sample", since=2),
+    ArraySpec("n_samples", "tree", "int64", "rows in dim sample", since=2),
 )
 SPECS = {s.name: s for s in ARRAYS}
+
+
+def arrays_of(version: int) -> tuple[ArraySpec, ...]:
+    """The arrays a store of schema ``version`` holds."""
+    return tuple(s for s in ARRAYS if s.since <= version)
+
+
+def dims_of(version: int) -> tuple[str, ...]:
+    return tuple(d for d in DIMS if _DIM_SINCE.get(d, 1) <= version)
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,7 @@ class StoreLayout:
     node_chunk: int = 1 << 14
     call_chunk: int = 1 << 14
     dropped_chunk: int = 1 << 12
+    sample_chunk: int = 1 << 18   # schema 2; a schema-1 layout reads with the default
     tree_chunk: int = 1 << 12
     zstd_level: int = 1     # 0 stores chunks uncompressed (crc32c still guards them)
 
@@ -195,6 +217,22 @@ def validate_tree(tree: Tree, where: str) -> None:
     if tree.status not in STATUSES:
         raise InvalidTreeError(f"{where}.status={tree.status!r}: valid statuses are {', '.join(STATUSES)}")
     _as_int(np.asarray(list(tree.dropped_calls), dtype=np.int64), "int32", f"{where}.dropped_calls")
+    if tree.n_runs != 1:
+        raise InvalidTreeError(f"{where}.n_runs={tree.n_runs}: a group forest is packed, not stored; store its runs")
+    sample = _as_int(tree.sample_token, "int64", f"{where}.sample_token")
+    if np.asarray(tree.sample_logprob).shape != sample.shape:
+        raise InvalidTreeError(f"{where}.sample_logprob: shape {np.asarray(tree.sample_logprob).shape}, "
+                               f"expected ({sample.size},) like sample_token")
+    if np.asarray(tree.sample_call).shape != sample.shape:
+        raise InvalidTreeError(f"{where}.sample_call: shape {np.asarray(tree.sample_call).shape}, "
+                               f"expected ({sample.size},) like sample_token")
+    _as_int(tree.sample_call, "int32", f"{where}.sample_call")
+    if not np.all(np.isfinite(np.asarray(tree.sample_logprob, dtype=np.float64))):
+        raise InvalidTreeError(f"{where}.sample_logprob: contains NaN or inf")
+    if sample.size and (sample.min() < 0 or sample.max() >= t or np.any(np.diff(sample) < 0)):
+        raise InvalidTreeError(f"{where}.sample_token: must be sorted token indices in [0, {t})")
+    if not np.array_equal(np.unique(sample), np.flatnonzero(np.asarray(tree.trained, dtype=bool))):
+        raise InvalidTreeError(f"{where}.sample_token: the sampled tokens must be exactly the trained ones")
 
 
 def _check_codes(codes: np.ndarray, where: str) -> None:
@@ -211,6 +249,12 @@ def flatten_trees(trees: list[Tree], base: dict[str, int]) -> dict[str, np.ndarr
     for k, tree in enumerate(trees):
         tree_index = off["tree"]
         t, n, c, d = tree.n_tokens, tree.n_nodes, tree.n_paths, len(tree.dropped_calls)
+        s = int(tree.sample_token.size)
+        cols["multiplicity"].append(tree.multiplicity)
+        cols["sample_token"].append(np.asarray(tree.sample_token, dtype=np.int64) + off["token"])
+        cols["sample_logprob"].append(np.asarray(tree.sample_logprob, dtype=np.float32))
+        cols["sample_call"].append(np.asarray(tree.sample_call, dtype=np.int32))
+        cols["sample_tree"].append(np.full(s, tree_index, dtype=np.int64))
         cols["tokens"].append(np.asarray(tree.tokens, dtype=np.int32))
         cols["logprobs"].append(np.asarray(tree.logprobs, dtype=np.float32))
         cols["trained"].append(np.asarray(tree.trained, dtype=bool))
@@ -232,6 +276,7 @@ def flatten_trees(trees: list[Tree], base: dict[str, int]) -> dict[str, np.ndarr
             "wall_s": tree.wall_s, "token_offset": off["token"], "n_tokens": t,
             "node_offset": off["node"], "n_nodes": n, "call_offset": off["call"],
             "dropped_offset": off["dropped"], "n_dropped": d,
+            "sample_offset": off["sample"], "n_samples": s,
         }
         for name, value in row.items():
             cols[name].append(value)
@@ -240,6 +285,7 @@ def flatten_trees(trees: list[Tree], base: dict[str, int]) -> dict[str, np.ndarr
         off["node"] += n
         off["call"] += c
         off["dropped"] += d
+        off["sample"] += s
     out: dict[str, np.ndarray] = {}
     for spec in ARRAYS:
         dtype = object if spec.dtype == "str" else spec.dtype
@@ -265,6 +311,12 @@ def tree_from_columns(row: dict, cols: dict[str, np.ndarray]) -> Tree:
     """Rebuild one ``Tree`` from its tree-dim ``row`` and its slices of the other dims."""
     token_offset, node_offset = int(row["token_offset"]), int(row["node_offset"])
     parent = np.asarray(cols["parent"], dtype=np.int64)
+    # Schema 1 stored no samples: the Tree then holds one per trained token (count-once data).
+    samples = {}
+    if "sample_token" in cols:
+        samples = dict(sample_token=np.asarray(cols["sample_token"], dtype=np.int64) - token_offset,
+                       sample_logprob=np.asarray(cols["sample_logprob"], dtype=np.float32),
+                       sample_call=np.asarray(cols["sample_call"], dtype=np.int32))
     return Tree(
         tokens=np.asarray(cols["tokens"], dtype=np.int32),
         logprobs=np.asarray(cols["logprobs"], dtype=np.float32),
@@ -283,4 +335,5 @@ def tree_from_columns(row: dict, cols: dict[str, np.ndarray]) -> Tree:
         policy_version=int(row["policy_version"]),
         wall_s=float(row["wall_s"]),
         dropped_calls=[int(x) for x in np.asarray(cols["dropped_call"]).tolist()],
+        **samples,
     )

@@ -19,10 +19,10 @@ from gyre_hpc.rl.controller import sample_runs
 from gyre_hpc.rl.fleet import check_rl_config
 from gyre_hpc.rl.progress import read_progress
 from gyre_hpc.rl.router_client import RouterDriver
-from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer, runs_in_step
+from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer
 from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow, TimelineRow
 from gyre_hpc.trees.builder import build_tree
-from gyre_hpc.trees.loss import StepWeights, packed_loss
+from gyre_hpc.trees.loss import StepWeights, packed_loss, run_targets, step_denominator
 from gyre_hpc.trees.packing import collate, pack
 from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_runs
 
@@ -40,16 +40,20 @@ def _cfg(tmp_path=None, **train):
                                                      **train}})
 
 
-def test_streamed_groups_give_the_full_step_gradient():
-    """Group by group with per-run weights, summed, divided by the step's runs: the loss
-    module's full-batch gradient over every tree of the step, to float64 rounding."""
+@pytest.mark.parametrize("rule,averaging,forest", [("per_sample", "run", True), ("once", "global", True),
+                                                   ("per_sample", "global", False)])
+def test_streamed_groups_give_the_full_step_gradient(rule, averaging, forest):
+    """Group by group (each group one forest, or tree by tree) with per-run weights, summed,
+    divided by the step's runs (global: its targets): the loss module's full-batch gradient
+    over every tree of the step, to float64 rounding."""
     trees = _trees(n_tasks=2, g=3)
     cfg = _cfg()
     trainer = RLTrainer(cfg, build_model("tiny", seed=3).double())
     mbs = []
     for task in ("task0", "task1"):
         group = [t for t in trees if t.task_id == task]
-        mbs += group_micro_batches(group, step=1, first_id=len(mbs), row_tokens=128, micro_batch_tokens=200)
+        mbs += group_micro_batches(group, step=1, first_id=len(mbs), row_tokens=128, micro_batch_tokens=200,
+                                   shared_targets=rule, averaging=averaging, forest=forest)
     assert len(mbs) > 2  # really split
     for mb in mbs[::2]:          # two "replicas" each accumulate their share
         trainer.train_micro_batch(mb)
@@ -57,11 +61,12 @@ def test_streamed_groups_give_the_full_step_gradient():
     trainer.zero_grads()
     for mb in mbs[1::2]:
         trainer.train_micro_batch(mb)
-    streamed = [(x + y) / runs_in_step([int(t.trained.sum()) for t in trees]) for x, y in zip(a, trainer.grad_tensors())]
+    divisor = step_denominator([run_targets(t, rule) for t in trees], averaging)
+    streamed = [(x + y) / divisor for x, y in zip(a, trainer.grad_tensors())]
 
     ref = build_model("tiny", seed=3).double()
-    rows = pack(trees, 128)
-    loss = packed_loss(ref, collate(rows), StepWeights.from_trees(trees), cfg.train.clip_eps, "sdpa")
+    rows = pack(trees, 128, rule)
+    loss = packed_loss(ref, collate(rows), StepWeights.from_trees(trees, rule, averaging), cfg.train.clip_eps, "sdpa")
     loss.backward()
     for got, want in zip(streamed, (p.grad for p in ref.parameters())):
         assert torch.linalg.vector_norm(got - want) <= 1e-10 * torch.linalg.vector_norm(want)

@@ -51,9 +51,21 @@ def test_layout_is_preorder_with_contiguous_subtrees(seed, make_journal):
 def test_trained_tokens_match_the_independent_reference_rule(seed, make_journal):
     journal = make_journal(seed)
     tree = build_tree(journal)
-    targets = reference_targets(journal)
-    assert int(tree.trained.sum()) == len(targets)
-    assert np.isclose(tree.logprobs[tree.trained].astype(np.float64).sum(), sum(t.behaviour_logp for t in targets))
+    _assert_samples_match_reference(tree, journal)
+
+
+def _assert_samples_match_reference(tree, journal):
+    """Trained positions, their multiplicities and every sample's logprob agree with the
+    reference's independent trie, under both rules."""
+    once = reference_targets(journal, shared_targets="once")
+    each = reference_targets(journal, shared_targets="per_sample")
+    assert int(tree.trained.sum()) == len(once) == len(each)
+    assert all(t.multiplicity == 1 for t in once)
+    np.testing.assert_allclose(np.sort(tree.logprobs[tree.trained]), np.sort([t.behaviour_logps[0] for t in once]))
+    np.testing.assert_array_equal(np.sort(tree.multiplicity[tree.trained]), np.sort([t.multiplicity for t in each]))
+    np.testing.assert_allclose(np.sort(tree.sample_logprob), np.sort([lp for t in each for lp in t.behaviour_logps]))
+    for rule, ref in (("once", once), ("per_sample", each)):
+        assert tree.n_targets(rule).tolist() == [sum(t.multiplicity for t in ref)]
 
 
 def test_next_prompt_extending_previous_output_trains_it_once():
@@ -145,7 +157,5 @@ def test_coinciding_tokens_on_a_tiny_alphabet(seed, make_coincidences):
     tree = build_tree(journal)
     for i, c in enumerate(journal):
         np.testing.assert_array_equal(tree.path(i), np.concatenate([c.prompt, c.output]))
-    targets = reference_targets(journal)
-    assert int(tree.trained.sum()) == len(targets)
-    np.testing.assert_allclose(np.sort(tree.logprobs[tree.trained]), np.sort([t.behaviour_logp for t in targets]))
+    _assert_samples_match_reference(tree, journal)
     assert np.all(tree.logprobs[~tree.trained] == 0)

@@ -96,7 +96,10 @@ def test_xarray_open_zarr_reads_named_dims_and_absolute_indices(tmp_path):
     assert dict(ds.sizes) == committed
     for spec in ARRAYS:
         assert ds[spec.name].dims == (spec.dim,), spec.name
-    assert ds.attrs["gyre_tree_store"]["schema_version"] == 1
+    assert ds.attrs["gyre_tree_store"]["schema_version"] == 2
+    # Every sampling event with its own behaviour logprob, and the multiplicity per token.
+    assert int(ds.sizes["sample"]) == sum(t.sample_token.size for t in trees)
+    np.testing.assert_array_equal(ds["multiplicity"].values, np.concatenate([t.multiplicity for t in trees]))
     assert ds["role"].attrs["codes"] == ["main", "subagent", "summary"]
     assert [str(x) for x in ds["run_id"].values] == [t.run_id for t in trees]
     assert [str(x) for x in ds["status"].values] == [t.status for t in trees]
@@ -164,7 +167,7 @@ def test_open_errors_name_the_file(tmp_path):
     data = json.loads(good)
     data["schema_version"] = 99
     marker_path(path).write_text(json.dumps(data))
-    with pytest.raises(StoreError, match=r"commit\.json: schema_version 99, this code reads version 1"):
+    with pytest.raises(StoreError, match=r"commit\.json: schema_version 99, this code reads versions 1, 2"):
         TreeStore.open(path)
     data = json.loads(good)
     data["checksums"]["tokens"].pop()
@@ -183,11 +186,11 @@ def test_open_errors_name_the_file(tmp_path):
     (path / "reward" / "zarr.json").write_bytes(array_meta)
 
     meta = json.loads((path / "zarr.json").read_text())
-    meta["attributes"]["gyre_tree_store"]["schema_version"] = 2
+    meta["attributes"]["gyre_tree_store"]["schema_version"] = 3
     (path / "zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(StoreError, match=r"trees\.zarr/zarr\.json: schema_version 2, this code reads version 1"):
+    with pytest.raises(StoreError, match=r"trees\.zarr/zarr\.json: schema_version 3, this code reads versions 1, 2"):
         TreeStore.open(path)
-    meta["attributes"]["gyre_tree_store"]["schema_version"] = 1
+    meta["attributes"]["gyre_tree_store"]["schema_version"] = 2
     meta["attributes"]["gyre_tree_store"]["layout"]["token_chunk"] = "big"
     (path / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(StoreError, match=r"trees\.zarr/zarr\.json: bad store layout .*token_chunk='big'"):
@@ -516,3 +519,35 @@ def test_stream_reader_sees_each_tree_once_across_a_killed_and_relaunched_writer
         reader.kill()
     ids = [line.split()[0] for line in got[:-1]]
     assert ids == [f"run-{s:06d}" for s in range(30)]        # in order, none lost, none twice
+
+
+V1_STORE = Path(__file__).parent / "data" / "trees_v1.zarr"
+
+
+def test_a_store_written_in_schema_1_still_reads_with_one_sample_per_trained_token(tmp_path):
+    """tests/trees/data/trees_v1.zarr was written by the schema-1 code (data/write_v1.py, run
+    against main before the bump). It reads: same tokens, nodes, calls; no multiplicity was
+    recorded then, so each trained token carries one sample (the first call's logprob)."""
+    import shutil
+
+    from gyre_hpc.trees.builder import build_tree
+    from gyre_hpc.trees.model import ModelCall
+
+    copy = tmp_path / "old.zarr"
+    shutil.copytree(V1_STORE, copy)
+    store = TreeStore.open(copy)
+    assert store.schema_version == 1 and len(store) == 2
+    store.verify()
+    a, b = store.read(0), store.read(1)
+    rebuilt = build_tree([ModelCall([257, 1, 2], [3, 4], [-0.5, -0.25]), ModelCall([257, 1, 2], [3, 4], [-0.75, -0.125])])
+    np.testing.assert_array_equal(a.tokens, rebuilt.tokens)
+    np.testing.assert_array_equal(a.trained, rebuilt.trained)
+    np.testing.assert_array_equal(a.logprobs, rebuilt.logprobs)
+    assert rebuilt.multiplicity[rebuilt.trained].tolist() == [2, 2]     # what schema 2 records
+    assert a.multiplicity[a.trained].tolist() == [1, 1]                 # what schema 1 knew
+    np.testing.assert_array_equal(a.sample_logprob, np.float32([-0.5, -0.25]))
+    assert a.sample_call.tolist() == [-1, -1]                            # not recorded then
+    assert (b.run_id, b.status, b.n_paths, int(b.trained.sum())) == ("b", "timeout", 3, 4)  # 6 7 8, and 1 (7 is shared)
+    assert int(store.dataset().sizes["token"]) == a.n_tokens + b.n_tokens
+    with pytest.raises(StoreError, match=r"schema 1 store is read-only to this code.*mode='r'"):
+        TreeStore.open(copy, "a", fsync=False)
