@@ -1,24 +1,21 @@
 """TorchEngine: continuous batching over a TinyLM with a real KV cache; the CPU reference.
 
-Cache layout: one token-major buffer per sequence and layer, [capacity, heads, head_dim],
-allocated once at admission with capacity = prompt + max_new_tokens (the request states its
-own bound, so a cache never grows and never moves). Exporting a sequence hands out views
-of these buffers (no copy); importing copies into a fresh buffer.
+Cache: ``kv_cache.SlotKVCache``, one batch-major buffer per layer in which every running
+sequence owns a row. The model writes each token's key/value once, through its
+``kv_cache`` hook, and batched decode attends over a view of the rows in place (sequences of
+different lengths are padded by a [B, 1, 1, S] key mask, nothing is gathered or copied per
+step). Sequences join (after their prefill) and leave (on a stop token or spent budget)
+between iterations; a leaving sequence's row is refilled by the last row.
 
-Batched decode: sequences of different lengths decode together by gathering their caches
-into one right-padded [B, H, S_max, Dh] past and masking the padding; each sequence's new
-key/value is then written back into its own buffer. Sequences join (after their prefill)
-and leave (on a stop token or spent budget) between iterations. Padding costs a gather per
-step; in exchange the per-sequence buffers make export, import and finishing O(1)
-bookkeeping with no compaction of a shared cache.
-
-Prefill runs one sequence at a time in chunks of ``prefill_chunk`` tokens, so a 32K prompt
-never builds a 32K x 32K mask (each chunk's mask is chunk x context).
+Prefill runs one sequence at a time in chunks of ``prefill_chunk`` tokens; each chunk
+attends causally to itself and fully to the cached past without any mask (see
+``kv_cache``), so a 32K prompt never builds a context-sized mask.
 
 Exactness: each request samples from its own generator (see ``sampling``); batch
 composition changes only float rounding of the logits (different matmul shapes), so greedy
-tokens match one-at-a-time decoding and logprobs agree to ~1e-6. A migrated sequence gets
-the very cache tensors it had, so it continues bit-exactly.
+tokens match one-at-a-time decoding and logprobs agree to ~1e-6. Export copies a row out
+(the row is reused once the sequence leaves); import copies it into a row of the
+destination, so a migrated sequence continues from bit-identical keys and values.
 """
 from __future__ import annotations
 
@@ -30,6 +27,7 @@ from typing import Mapping
 import torch
 
 from gyre_hpc.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
+from gyre_hpc.engines.kv_cache import SlotKVCache
 from gyre_hpc.engines.kv_state import KVLayout, KVState, generator_from_state, generator_state
 from gyre_hpc.engines.requests import Output, Request, TokenEvent
 from gyre_hpc.engines.sampling import sample_token
@@ -45,18 +43,12 @@ class _Sequence:
     migrations: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    k: list[torch.Tensor] = field(default_factory=list)   # per layer [capacity, H, Dh]
-    v: list[torch.Tensor] = field(default_factory=list)
-    length: int = 0                                        # tokens in the cache
-
-    @property
-    def prefilled(self) -> bool:
-        return bool(self.k)
+    prefilled: bool = False      # holds a row of the engine's cache
 
 
 class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
-                 prefill_chunk: int = 1024, seed: int = 0):
+                 prefill_chunk: int = 4096, seed: int = 0):
         if max_batch < 1:
             raise ValueError(f"TorchEngine.max_batch={max_batch} must be >= 1")
         if prefill_chunk < 1:
@@ -68,8 +60,12 @@ class TorchEngine(EngineBookkeeping, Engine):
         self._version = version
         cfg = model.config
         dtype = next(model.parameters()).dtype
-        self._layout = KVLayout(cfg.n_layers, cfg.n_heads, cfg.head_dim, str(dtype).removeprefix("torch."))
+        n_kv_heads = getattr(cfg, "n_kv_heads", cfg.n_heads)   # grouped-query models cache fewer heads
+        self._layout = KVLayout(cfg.n_layers, n_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."))
         self._device = next(model.parameters()).device
+        self._cache = SlotKVCache(cfg.n_layers, n_kv_heads, cfg.head_dim, dtype, self._device,
+                                  max_tokens=cfg.max_position)
+        self._rows: list[_Sequence] = []   # the running sequences in cache-row order
         self._seed_source = torch.Generator().manual_seed(seed)
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -94,7 +90,7 @@ class TorchEngine(EngineBookkeeping, Engine):
         seqs = list(self._running) + list(self._queue)
         return EngineLoad(
             queued=len(self._queue), running=len(self._running),
-            kv_tokens=sum(s.length for s in self._running),
+            kv_tokens=sum(self._cache.lengths),
             outstanding_tokens=sum(outstanding_tokens_of(s.request, len(s.tokens), s.prefilled) for s in seqs))
 
     def _find(self, request_id: str) -> _Sequence | None:
@@ -135,7 +131,7 @@ class TorchEngine(EngineBookkeeping, Engine):
     def step(self) -> list[TokenEvent]:
         self._check_usable("step")
         with torch.no_grad():
-            events = self._decode(list(self._running)) if self._running else []
+            events = self._decode() if self._running else []
             while self._queue and len(self._running) < self.max_batch:
                 event = self._prefill(self._queue.popleft())
                 if event is not None:
@@ -152,63 +148,47 @@ class TorchEngine(EngineBookkeeping, Engine):
 
     # -- the model -----------------------------------------------------------------------
     def _prefill(self, seq: _Sequence) -> TokenEvent | None:
-        """Fill the cache with the prompt and sample the first token. A recompute state
+        """Fill a cache row with the prompt and sample the first token. A recompute state
         (tokens but no cache) fills prompt + tokens[:-1] and samples nothing: its last
         token is the next decode input."""
-        req = seq.request
-        cap = req.prompt_len + req.params.max_new_tokens
-        H, Dh = self._layout.n_heads, self._layout.head_dim
-        dt = self._layout.torch_dtype()
-        seq.k = [torch.empty(cap, H, Dh, dtype=dt, device=self._device) for _ in range(self._layout.n_layers)]
-        seq.v = [torch.empty(cap, H, Dh, dtype=dt, device=self._device) for _ in range(self._layout.n_layers)]
-        context = list(req.prompt_ids) + seq.tokens[:-1]
+        context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+        row = self._add_row(seq, len(context) + 1)
         prompt = torch.tensor(context, dtype=torch.long, device=self._device)
         logits = None
         for start in range(0, len(context), self.prefill_chunk):
             ids = prompt[start:start + self.prefill_chunk][None]
             pos = torch.arange(start, start + ids.shape[1], device=self._device)[None]
-            past = None
-            if start:
-                past = [(k[:start].transpose(0, 1)[None], v[:start].transpose(0, 1)[None]) for k, v in zip(seq.k, seq.v)]
-            logits, new_past = self.model(ids, pos, past_kv=past, use_cache=True)
-            for i, (k, v) in enumerate(new_past):
-                seq.k[i][start:start + ids.shape[1]] = k[0, :, start:].transpose(0, 1)
-                seq.v[i][start:start + ids.shape[1]] = v[0, :, start:].transpose(0, 1)
-        seq.length = len(context)
+            hook = self._cache.prefill(row, ids.shape[1])
+            logits = self.model(ids, pos, kv_cache=hook)
+            hook.commit()
         self._c["prefill_tokens"] += len(context)
-        self._running.append(seq)
         return self._emit(seq, logits[0, -1]) if not seq.tokens else None
 
-    def _decode(self, batch: list[_Sequence]) -> list[TokenEvent]:
-        B = len(batch)
-        lengths = torch.tensor([s.length for s in batch], device=self._device)
-        s_max = int(lengths.max())
-        H, Dh = self._layout.n_heads, self._layout.head_dim
-        dt = self._layout.torch_dtype()
-        past = []
-        for layer in range(self._layout.n_layers):
-            k = torch.zeros(B, H, s_max, Dh, dtype=dt, device=self._device)
-            v = torch.zeros(B, H, s_max, Dh, dtype=dt, device=self._device)
-            for b, s in enumerate(batch):
-                k[b, :, :s.length] = s.k[layer][:s.length].transpose(0, 1)
-                v[b, :, :s.length] = s.v[layer][:s.length].transpose(0, 1)
-            past.append((k, v))
+    def _decode(self) -> list[TokenEvent]:
+        batch = list(self._rows)
         ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long, device=self._device)
-        pos = lengths[:, None]
-        mask = None
-        if bool((lengths != s_max).any()):
-            cols = torch.arange(s_max + 1, device=self._device)
-            mask = ((cols[None, :] < lengths[:, None]) | (cols[None, :] == s_max))[:, None, None, :]
-        logits, new_past = self.model(ids, pos, attn_mask=mask, past_kv=past, use_cache=True)
-        events = []
-        for b, s in enumerate(batch):
-            for layer, (k, v) in enumerate(new_past):
-                s.k[layer][s.length] = k[b, :, s_max]
-                s.v[layer][s.length] = v[b, :, s_max]
-            s.length += 1
-            self._c["decode_tokens"] += 1
-            events.append(self._emit(s, logits[b, -1]))
-        return events
+        pos = torch.tensor(self._cache.lengths, device=self._device)[:, None]
+        hook = self._cache.decode()
+        logits = self.model(ids, pos, kv_cache=hook)
+        hook.commit()
+        self._c["decode_tokens"] += len(batch)
+        return [self._emit(s, logits[b, -1]) for b, s in enumerate(batch)]
+
+    def _add_row(self, seq: _Sequence, tokens: int) -> int:
+        row = self._cache.add_row(tokens)
+        self._rows.append(seq)
+        self._running.append(seq)
+        seq.prefilled = True
+        return row
+
+    def _remove_row(self, seq: _Sequence) -> None:
+        """Free the sequence's row; the cache moves its last row there, and so do we."""
+        row = self._rows.index(seq)
+        self._cache.remove_row(row)
+        last = self._rows.pop()
+        if last is not seq:
+            self._rows[row] = last
+        self._running.remove(seq)
 
     def _emit(self, seq: _Sequence, logits: torch.Tensor) -> TokenEvent:
         token, logprob = sample_token(logits.cpu(), seq.request.params, seq.generator)
@@ -222,7 +202,7 @@ class TorchEngine(EngineBookkeeping, Engine):
             reason = "length"
         event = TokenEvent(seq.request.request_id, token, logprob, len(seq.tokens) - 1, reason)
         if reason is not None:
-            self._running.remove(seq)
+            self._remove_row(seq)
             self._c["requests_finished"] += 1
             r = seq.request
             self._finished[r.request_id] = Output(
@@ -236,11 +216,12 @@ class TorchEngine(EngineBookkeeping, Engine):
         if seq is None:
             where = "finished (pop_output it)" if request_id in self._finished else "not in this engine"
             raise KeyError(f"engine {self.name}: request {request_id!r} is {where}; only in-flight requests export")
+        kv = ()
         if seq.prefilled:
-            self._running.remove(seq)
+            kv = self._cache.read(self._rows.index(seq))
+            self._remove_row(seq)
         else:
             self._queue.remove(seq)
-        kv = tuple((k[:seq.length], v[:seq.length]) for k, v in zip(seq.k, seq.v)) if seq.prefilled else ()
         self._c["migrations_out"] += 1
         return KVState(
             request=seq.request, layout=self._layout, token_ids=tuple(seq.tokens), logprobs=tuple(seq.logprobs),
@@ -265,14 +246,8 @@ class TorchEngine(EngineBookkeeping, Engine):
         if not state.prefilled:
             self._queue.append(seq)  # prefilled at the next step (recompute states included)
             return
-        cap = state.request.prompt_len + state.request.params.max_new_tokens
-        for k, v in state.kv:
-            for src, dst in ((k, seq.k), (v, seq.v)):
-                buf = torch.empty((cap,) + tuple(src.shape[1:]), dtype=src.dtype, device=self._device)
-                buf[:src.shape[0]] = src
-                dst.append(buf)
-        seq.length = state.cached_len
-        self._running.append(seq)
+        row = self._add_row(seq, state.cached_len + 1)
+        self._cache.write(row, [(k.to(self._device), v.to(self._device)) for k, v in state.kv])
 
     def close_admission(self) -> None:
         self._accepting = False
