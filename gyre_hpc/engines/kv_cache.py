@@ -174,7 +174,8 @@ class DecodeAttention:
         self.rows = torch.arange(n, device=cache.device)
         self.span = max(cache.lengths) + 1
         self.mask = None
-        if min(cache.lengths) != max(cache.lengths):
+        self.uniform = min(cache.lengths) == max(cache.lengths)
+        if not self.uniform:
             cols = torch.arange(self.span, device=cache.device)
             self.mask = (cols[None, :] <= self.pos[:, None])[:, None, None, :]
 
@@ -183,8 +184,12 @@ class DecodeAttention:
         if T != 1:
             raise ValueError(f"DecodeAttention: one new token per row, got T={T}")
         kb, vb = self.cache.k[layer], self.cache.v[layer]
-        kb[self.rows, :, self.pos] = k[:, :, 0]
-        vb[self.rows, :, self.pos] = v[:, :, 0]
+        if self.uniform:   # a slice write: cheaper than index_put (always so for one stream)
+            kb[:B, :, self.span - 1] = k[:, :, 0]
+            vb[:B, :, self.span - 1] = v[:, :, 0]
+        else:
+            kb[self.rows, :, self.pos] = k[:, :, 0]
+            vb[self.rows, :, self.pos] = v[:, :, 0]
         hkv = k.shape[1]
         # The G query heads of a kv group become G query rows against that group's keys.
         out = F.scaled_dot_product_attention(q.reshape(B, hkv, Hq // hkv, Dh), kb[:B, :, :self.span],

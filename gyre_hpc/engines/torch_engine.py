@@ -172,7 +172,17 @@ class TorchEngine(EngineBookkeeping, Engine):
         logits = self.model(ids, pos, kv_cache=hook)
         hook.commit()
         self._c["decode_tokens"] += len(batch)
-        return [self._emit(s, logits[b, -1]) for b, s in enumerate(batch)]
+        last = logits[:, -1]
+        # Greedy rows are picked for the whole batch at once, by the rule of sample_token
+        # (argmax of the logits, logprob from float32 log_softmax): one op, not one per row.
+        greedy = [b for b, s in enumerate(batch) if s.request.params.greedy]
+        picks = {}
+        if greedy:
+            rows = last[greedy]
+            tokens = rows.argmax(-1)
+            logprobs = torch.log_softmax(rows.float(), -1).gather(1, tokens[:, None])[:, 0]
+            picks = dict(zip(greedy, zip(tokens.tolist(), logprobs.tolist())))
+        return [self._emit(s, last[b], picks.get(b)) for b, s in enumerate(batch)]
 
     def _add_row(self, seq: _Sequence, tokens: int) -> int:
         row = self._cache.add_row(tokens)
@@ -190,8 +200,8 @@ class TorchEngine(EngineBookkeeping, Engine):
             self._rows[row] = last
         self._running.remove(seq)
 
-    def _emit(self, seq: _Sequence, logits: torch.Tensor) -> TokenEvent:
-        token, logprob = sample_token(logits.cpu(), seq.request.params, seq.generator)
+    def _emit(self, seq: _Sequence, logits: torch.Tensor, picked: tuple[int, float] | None = None) -> TokenEvent:
+        token, logprob = picked or sample_token(logits.cpu(), seq.request.params, seq.generator)
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.policy_version = min(seq.policy_version, self._version)
