@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
                 result["vllm_skipped"] = f"rc={proc.returncode}: {proc.stderr.strip()[-1500:]}"
         if measured is None:
             measured = torch_engine_cases(model, cases, args.repeats)
+    result["threads"] = measured["torch_engine"]["threads"]
     result["torch_engine"] = {n: {k: v for k, v in r.items() if k != "token_ids"}
                               for n, r in measured["torch_engine"]["cases"].items()}
     print(json.dumps(result, indent=2))
