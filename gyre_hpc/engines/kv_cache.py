@@ -115,8 +115,10 @@ class SlotKVCache:
         """A copy of the row's cache, per layer (k, v) token-major ``[length, Hkv, Dh]``.
         A copy, not a view: the row is reused once its sequence leaves."""
         n = self.lengths[row]
-        return tuple((k[row, :, :n].transpose(0, 1).contiguous(), v[row, :, :n].transpose(0, 1).contiguous())
-                     for k, v in zip(self.k, self.v))
+        # clone, not contiguous(): with one kv head the transposed view already counts as
+        # contiguous, and contiguous() would hand out the row itself.
+        copy = lambda t: t[row, :, :n].transpose(0, 1).clone(memory_format=torch.contiguous_format)  # noqa: E731
+        return tuple((copy(k), copy(v)) for k, v in zip(self.k, self.v))
 
     def write(self, row: int, kv) -> None:
         """Fill an empty row from per-layer token-major (k, v) ``[length, Hkv, Dh]``."""

@@ -104,13 +104,16 @@ def test_growth_in_rows_and_tokens_keeps_every_row():
         cache.reserve(1001)
 
 
-def test_read_is_a_copy_the_reused_row_cannot_change():
-    cache = _cache()
-    _filled(cache, 5, 1.0)
-    _filled(cache, 5, 7.0)
+@pytest.mark.parametrize("kv_heads", [HKV, 1])
+def test_read_is_a_copy_the_reused_row_cannot_change(kv_heads):
+    """One kv head is the trap: a transposed [1, n, Dh] row already counts as contiguous."""
+    cache = SlotKVCache(LAYERS, kv_heads, DH, torch.float64)
+    for value in (1.0, 7.0):
+        row = cache.add_row(5)
+        cache.write(row, [(torch.full((5, kv_heads, DH), value), torch.full((5, kv_heads, DH), -value))] * LAYERS)
     kept = cache.read(0)
     cache.remove_row(0)                       # row 1 moves into row 0
-    assert bool((kept[0][0] == 1.0).all())
+    assert bool((kept[0][0] == 1.0).all()) and bool((kept[1][1] == -1.0).all())
 
 
 def test_decode_writes_into_the_same_storage_every_step():
@@ -142,7 +145,7 @@ def test_cache_heads_reads_both_config_generations():
 
     from gyre_hpc.engines.torch_engine import cache_heads
 
-    assert cache_heads(build_model("tiny", seed=0).config) == (4, 16)
+    assert cache_heads(SimpleNamespace(n_heads=4, head_dim=16)) == (4, 16)   # the byte-level TinyLM's names
     qwen_style = SimpleNamespace(n_heads=4, kv_heads=2, n_kv_heads=2, head_dim=None, dh=32)
     assert cache_heads(qwen_style) == (2, 32)
 
