@@ -21,19 +21,19 @@ def test_torch_engine_cases_report_throughput_and_the_tokens_of_every_stream():
     two = rows["two"]
     assert len(two["token_ids"]) == 2 and all(len(t) == 6 for t in two["token_ids"])
     assert two["tokens_per_s"] == pytest.approx(12 / two["seconds"]) and two["repeats_agree"]
-    assert two["seconds"] == min(two["all_seconds"])
+    assert two["seconds"] == min(two["all_seconds"]) and 0 < two["cpu_seconds"] <= two["seconds"] * 1.5
     assert rows["pf"]["unit"] == "prompt tokens/s" and rows["pf"]["tokens_per_s"] == pytest.approx(40 / rows["pf"]["seconds"])
     assert "vllm" not in out
 
 
 def test_compare_reports_the_ratio_and_whether_tokens_agree():
     case = EngineCase("c", 2, 8, 3)
-    ours = {"cases": {"c": {"unit": "new tokens/s", "tokens_per_s": 100.0, "seconds": 0.06,
+    ours = {"cases": {"c": {"unit": "new tokens/s", "tokens_per_s": 100.0, "seconds": 0.06, "cpu_seconds": 0.05,
                             "token_ids": [[1, 2, 3], [4, 5, 6]], "case": {}}}}
-    theirs = {"cases": {"c": {"unit": "new tokens/s", "tokens_per_s": 150.0, "seconds": 0.04,
+    theirs = {"cases": {"c": {"unit": "new tokens/s", "tokens_per_s": 150.0, "seconds": 0.04, "cpu_seconds": 0.02,
                               "token_ids": [[1, 2, 3], [4, 5, 7]], "case": {}}}}
     row = compare(ours, theirs)["c"]
-    assert row["vllm_faster_by"] == pytest.approx(1.5)
+    assert row["vllm_faster_by"] == pytest.approx(1.5) and row["vllm_faster_by_cpu_time"] == pytest.approx(2.5)
     assert row["tokens_identical"] is False and row["tokens_matching"] == "5/6"
     assert case_prompts(case, 264) == case_prompts(case, 264) != case_prompts(case, 264, seed=1)
 
