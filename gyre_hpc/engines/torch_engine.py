@@ -175,9 +175,8 @@ class TorchEngine(EngineBookkeeping, Engine):
     def _decode(self) -> list[TokenEvent]:
         batch = list(self._rows)
         ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long, device=self._device)
-        pos = torch.tensor(self._cache.lengths, device=self._device)[:, None]
         hook = self._cache.decode()
-        logits = self.model(ids, pos, kv_cache=hook)
+        logits = self.model(ids, hook.pos[:, None], kv_cache=hook)   # each row's position is its length
         hook.commit()
         self._c["decode_tokens"] += len(batch)
         last = logits[:, -1]
