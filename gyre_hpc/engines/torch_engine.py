@@ -10,6 +10,8 @@ between iterations; a leaving sequence's row is refilled by the last row.
 Prefill runs one sequence at a time in chunks of ``prefill_chunk`` tokens; each chunk
 attends causally to itself and fully to the cached past without any mask (see
 ``kv_cache``), so a 32K prompt never builds a context-sized mask.
+``max_prefill_tokens`` bounds the prompt tokens prefilled per step (vLLM's token budget):
+a longer prompt fills across steps in a one-row staging cache while the batch decodes.
 
 Exactness: each request samples from its own generator (see ``sampling``); batch
 composition changes only float rounding of the logits (different matmul shapes), so greedy
@@ -56,15 +58,22 @@ class _Sequence:
 
 class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
-                 prefill_chunk: int = 4096, seed: int = 0):
+                 prefill_chunk: int = 4096, max_prefill_tokens: int | None = None, seed: int = 0):
         if max_batch < 1:
             raise ValueError(f"TorchEngine.max_batch={max_batch} must be >= 1")
         if prefill_chunk < 1:
             raise ValueError(f"TorchEngine.prefill_chunk={prefill_chunk} must be >= 1")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"TorchEngine.max_prefill_tokens={max_prefill_tokens} must be >= 1 (or None: no budget)")
         self.name = name
         self.model = model.eval()
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        # Prompt tokens prefilled per step; a prompt longer than what is left of the budget is
+        # prefilled across steps in a one-row staging cache while the batch keeps decoding.
+        self.max_prefill_tokens = max_prefill_tokens
+        self._staging: _Sequence | None = None
+        self._staging_cache: SlotKVCache | None = None
         self._version = version
         cfg = model.config
         dtype = next(model.parameters()).dtype
@@ -91,13 +100,18 @@ class TorchEngine(EngineBookkeeping, Engine):
         return cls(load_pretrained(directory, dtype=dtype), **kwargs)
 
     # -- state ---------------------------------------------------------------------------
+    def _waiting(self) -> list[_Sequence]:
+        """Not yet decoding: the sequence being prefilled across steps, then the queue."""
+        return ([self._staging] if self._staging is not None else []) + list(self._queue)
+
     def request_ids(self) -> list[str]:
-        return [s.request.request_id for s in self._running] + [s.request.request_id for s in self._queue]
+        return [s.request.request_id for s in self._running] + [s.request.request_id for s in self._waiting()]
 
     def load(self) -> EngineLoad:
-        seqs = list(self._running) + list(self._queue)
+        waiting = self._waiting()
+        seqs = list(self._running) + waiting
         return EngineLoad(
-            queued=len(self._queue), running=len(self._running),
+            queued=len(waiting), running=len(self._running),
             kv_tokens=sum(self._cache.lengths),
             outstanding_tokens=sum(outstanding_tokens_of(s.request, len(s.tokens), s.prefilled) for s in seqs))
 
@@ -105,7 +119,7 @@ class TorchEngine(EngineBookkeeping, Engine):
         for s in self._running:
             if s.request.request_id == request_id:
                 return s
-        for s in self._queue:
+        for s in self._waiting():
             if s.request.request_id == request_id:
                 return s
         return None
@@ -140,10 +154,24 @@ class TorchEngine(EngineBookkeeping, Engine):
         self._check_usable("step")
         with torch.no_grad():
             events = self._decode() if self._running else []
-            while self._queue and len(self._running) < self.max_batch:
-                event = self._prefill(self._queue.popleft())
-                if event is not None:
-                    events.append(event)
+            budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
+            if self._staging is not None:
+                budget -= self._continue_staging(budget, events)
+            while self._queue and budget > 0 and len(self._running) + (self._staging is not None) < self.max_batch:
+                seq = self._queue.popleft()
+                need = seq.request.prompt_len + max(len(seq.tokens) - 1, 0)
+                if need <= budget:
+                    budget -= need
+                    event = self._prefill(seq)
+                    if event is not None:
+                        events.append(event)
+                else:
+                    self._staging = seq
+                    self._staging_cache = SlotKVCache(self._layout.n_layers, self._layout.n_heads,
+                                                      self._layout.head_dim, self._layout.torch_dtype(),
+                                                      self._device, max_tokens=self.model.config.max_position)
+                    self._staging_cache.add_row(need + 1)
+                    budget -= self._continue_staging(budget, events)
         return events
 
     def pop_output(self, request_id: str) -> Output | None:
@@ -161,16 +189,39 @@ class TorchEngine(EngineBookkeeping, Engine):
         token is the next decode input."""
         context = list(seq.request.prompt_ids) + seq.tokens[:-1]
         row = self._add_row(seq, len(context) + 1)
-        prompt = torch.tensor(context, dtype=torch.long, device=self._device)
+        logits = self._fill(self._cache, row, context, 0, len(context))
+        return self._emit(seq, logits[0, -1]) if not seq.tokens else None
+
+    def _fill(self, cache: SlotKVCache, row: int, context: list[int], start: int, end: int) -> torch.Tensor:
+        """Run context[start:end] through the model into ``row``, ``prefill_chunk`` tokens a
+        forward; returns the last forward's logits."""
+        ids_all = torch.tensor(context[start:end], dtype=torch.long, device=self._device)
         logits = None
-        for start in range(0, len(context), self.prefill_chunk):
-            ids = prompt[start:start + self.prefill_chunk][None]
-            pos = torch.arange(start, start + ids.shape[1], device=self._device)[None]
-            hook = self._cache.prefill(row, ids.shape[1])
+        for at in range(start, end, self.prefill_chunk):
+            ids = ids_all[at - start:at - start + self.prefill_chunk][None]
+            pos = torch.arange(at, at + ids.shape[1], device=self._device)[None]
+            hook = cache.prefill(row, ids.shape[1])
             logits = self.model(ids, pos, kv_cache=hook)
             hook.commit()
-        self._c["prefill_tokens"] += len(context)
-        return self._emit(seq, logits[0, -1]) if not seq.tokens else None
+        self._c["prefill_tokens"] += end - start
+        return logits
+
+    def _continue_staging(self, budget: float, events: list[TokenEvent]) -> int:
+        """Prefill up to ``budget`` more tokens of the staged sequence; once its context is in,
+        its row moves into the batch's cache (one copy) and it samples its first token.
+        Returns the tokens used."""
+        seq, cache = self._staging, self._staging_cache
+        context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+        done = cache.lengths[0]
+        end = int(min(len(context), done + budget))
+        logits = self._fill(cache, 0, context, done, end)
+        if end == len(context):
+            self._staging = self._staging_cache = None
+            row = self._add_row(seq, end + 1)
+            self._cache.write(row, cache.read(0))
+            if not seq.tokens:
+                events.append(self._emit(seq, logits[0, -1]))
+        return end - done
 
     def _decode(self) -> list[TokenEvent]:
         batch = list(self._rows)
@@ -237,6 +288,8 @@ class TorchEngine(EngineBookkeeping, Engine):
         if seq.prefilled:
             kv = self._cache.read(self._rows.index(seq))
             self._remove_row(seq)
+        elif seq is self._staging:   # a partial prefill does not travel: the destination redoes it
+            self._staging = self._staging_cache = None
         else:
             self._queue.remove(seq)
         self._c["migrations_out"] += 1
