@@ -243,7 +243,10 @@ class TorchEngine(EngineBookkeeping, Engine):
         return [self._emit(s, last[b], picks.get(b)) for b, s in enumerate(batch)]
 
     def _add_row(self, seq: _Sequence, tokens: int) -> int:
-        row = self._cache.add_row(tokens)
+        # Room for twice what it holds now, up to the request's own bound: decoding then
+        # rarely regrows the cache, and a large budget does not reserve memory up front.
+        bound = seq.request.prompt_len + seq.request.params.max_new_tokens
+        row = self._cache.add_row(max(tokens, min(bound, 2 * tokens)))
         self._rows.append(seq)
         self._running.append(seq)
         seq.prefilled = True
