@@ -1,24 +1,23 @@
 """TorchEngine: continuous batching over a TinyLM with a real KV cache; the CPU reference.
 
-Cache layout: one token-major buffer per sequence and layer, [capacity, heads, head_dim],
-allocated once at admission with capacity = prompt + max_new_tokens (the request states its
-own bound, so a cache never grows and never moves). Exporting a sequence hands out views
-of these buffers (no copy); importing copies into a fresh buffer.
+Cache: ``kv_cache.SlotKVCache``, one batch-major buffer per layer in which every running
+sequence owns a row. The model writes each token's key/value once, through its
+``kv_cache`` hook, and batched decode attends over a view of the rows in place (sequences of
+different lengths are padded by a [B, 1, 1, S] key mask, nothing is gathered or copied per
+step). Sequences join (after their prefill) and leave (on a stop token or spent budget)
+between iterations; a leaving sequence's row is refilled by the last row.
 
-Batched decode: sequences of different lengths decode together by gathering their caches
-into one right-padded [B, H, S_max, Dh] past and masking the padding; each sequence's new
-key/value is then written back into its own buffer. Sequences join (after their prefill)
-and leave (on a stop token or spent budget) between iterations. Padding costs a gather per
-step; in exchange the per-sequence buffers make export, import and finishing O(1)
-bookkeeping with no compaction of a shared cache.
-
-Prefill runs one sequence at a time in chunks of ``prefill_chunk`` tokens, so a 32K prompt
-never builds a 32K x 32K mask (each chunk's mask is chunk x context).
+Prefill runs one sequence at a time in chunks of ``prefill_chunk`` tokens; each chunk
+attends causally to itself and fully to the cached past without any mask (see
+``kv_cache``), so a 32K prompt never builds a context-sized mask.
+``max_prefill_tokens`` bounds the prompt tokens prefilled per step (vLLM's token budget):
+a longer prompt fills across steps in a one-row staging cache while the batch decodes.
 
 Exactness: each request samples from its own generator (see ``sampling``); batch
 composition changes only float rounding of the logits (different matmul shapes), so greedy
-tokens match one-at-a-time decoding and logprobs agree to ~1e-6. A migrated sequence gets
-the very cache tensors it had, so it continues bit-exactly.
+tokens match one-at-a-time decoding and logprobs agree to ~1e-6. Export copies a row out
+(the row is reused once the sequence leaves); import copies it into a row of the
+destination, so a migrated sequence continues from bit-identical keys and values.
 """
 from __future__ import annotations
 
@@ -30,10 +29,19 @@ from typing import Mapping
 import torch
 
 from gyre_hpc.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
+from gyre_hpc.engines.kv_cache import SlotKVCache
 from gyre_hpc.engines.kv_state import KVLayout, KVState, generator_from_state, generator_state
 from gyre_hpc.engines.requests import Output, Request, TokenEvent
 from gyre_hpc.engines.sampling import sample_token
 from gyre_hpc.models.tiny_lm import TinyLM
+
+
+def cache_heads(cfg) -> tuple[int, int]:
+    """(kv heads, head size) the cache stores per token. A grouped-query model caches fewer
+    heads than it queries; the model stack's config names them ``kv_heads`` and ``dh``
+    (``head_dim`` may be None there), the byte-level TinyLM's ``n_heads`` and ``head_dim``."""
+    heads = getattr(cfg, "kv_heads", None) or getattr(cfg, "n_kv_heads", None) or cfg.n_heads
+    return int(heads), int(getattr(cfg, "dh", None) or cfg.head_dim)
 
 
 @dataclass
@@ -45,31 +53,36 @@ class _Sequence:
     migrations: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    k: list[torch.Tensor] = field(default_factory=list)   # per layer [capacity, H, Dh]
-    v: list[torch.Tensor] = field(default_factory=list)
-    length: int = 0                                        # tokens in the cache
-
-    @property
-    def prefilled(self) -> bool:
-        return bool(self.k)
+    prefilled: bool = False      # holds a row of the engine's cache
 
 
 class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
-                 prefill_chunk: int = 1024, seed: int = 0):
+                 prefill_chunk: int = 4096, max_prefill_tokens: int | None = None, seed: int = 0):
         if max_batch < 1:
             raise ValueError(f"TorchEngine.max_batch={max_batch} must be >= 1")
         if prefill_chunk < 1:
             raise ValueError(f"TorchEngine.prefill_chunk={prefill_chunk} must be >= 1")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"TorchEngine.max_prefill_tokens={max_prefill_tokens} must be >= 1 (or None: no budget)")
         self.name = name
         self.model = model.eval()
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        # Prompt tokens prefilled per step; a prompt longer than what is left of the budget is
+        # prefilled across steps in a one-row staging cache while the batch keeps decoding.
+        self.max_prefill_tokens = max_prefill_tokens
+        self._staging: _Sequence | None = None
+        self._staging_cache: SlotKVCache | None = None
         self._version = version
         cfg = model.config
         dtype = next(model.parameters()).dtype
-        self._layout = KVLayout(cfg.n_layers, cfg.n_heads, cfg.head_dim, str(dtype).removeprefix("torch."))
+        n_kv_heads, head_dim = cache_heads(cfg)
+        self._layout = KVLayout(cfg.n_layers, n_kv_heads, head_dim, str(dtype).removeprefix("torch."))
         self._device = next(model.parameters()).device
+        self._cache = SlotKVCache(cfg.n_layers, n_kv_heads, head_dim, dtype, self._device,
+                                  max_tokens=cfg.max_position)
+        self._rows: list[_Sequence] = []   # the running sequences in cache-row order
         self._seed_source = torch.Generator().manual_seed(seed)
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -87,21 +100,26 @@ class TorchEngine(EngineBookkeeping, Engine):
         return cls(load_pretrained(directory, dtype=dtype), **kwargs)
 
     # -- state ---------------------------------------------------------------------------
+    def _waiting(self) -> list[_Sequence]:
+        """Not yet decoding: the sequence being prefilled across steps, then the queue."""
+        return ([self._staging] if self._staging is not None else []) + list(self._queue)
+
     def request_ids(self) -> list[str]:
-        return [s.request.request_id for s in self._running] + [s.request.request_id for s in self._queue]
+        return [s.request.request_id for s in self._running] + [s.request.request_id for s in self._waiting()]
 
     def load(self) -> EngineLoad:
-        seqs = list(self._running) + list(self._queue)
+        waiting = self._waiting()
+        seqs = list(self._running) + waiting
         return EngineLoad(
-            queued=len(self._queue), running=len(self._running),
-            kv_tokens=sum(s.length for s in self._running),
+            queued=len(waiting), running=len(self._running),
+            kv_tokens=sum(self._cache.lengths),
             outstanding_tokens=sum(outstanding_tokens_of(s.request, len(s.tokens), s.prefilled) for s in seqs))
 
     def _find(self, request_id: str) -> _Sequence | None:
         for s in self._running:
             if s.request.request_id == request_id:
                 return s
-        for s in self._queue:
+        for s in self._waiting():
             if s.request.request_id == request_id:
                 return s
         return None
@@ -135,11 +153,25 @@ class TorchEngine(EngineBookkeeping, Engine):
     def step(self) -> list[TokenEvent]:
         self._check_usable("step")
         with torch.no_grad():
-            events = self._decode(list(self._running)) if self._running else []
-            while self._queue and len(self._running) < self.max_batch:
-                event = self._prefill(self._queue.popleft())
-                if event is not None:
-                    events.append(event)
+            events = self._decode() if self._running else []
+            budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
+            if self._staging is not None:
+                budget -= self._continue_staging(budget, events)
+            while self._queue and budget > 0 and len(self._running) + (self._staging is not None) < self.max_batch:
+                seq = self._queue.popleft()
+                need = seq.request.prompt_len + max(len(seq.tokens) - 1, 0)
+                if need <= budget:
+                    budget -= need
+                    event = self._prefill(seq)
+                    if event is not None:
+                        events.append(event)
+                else:
+                    self._staging = seq
+                    self._staging_cache = SlotKVCache(self._layout.n_layers, self._layout.n_heads,
+                                                      self._layout.head_dim, self._layout.torch_dtype(),
+                                                      self._device, max_tokens=self.model.config.max_position)
+                    self._staging_cache.add_row(need + 1)
+                    budget -= self._continue_staging(budget, events)
         return events
 
     def pop_output(self, request_id: str) -> Output | None:
@@ -152,66 +184,85 @@ class TorchEngine(EngineBookkeeping, Engine):
 
     # -- the model -----------------------------------------------------------------------
     def _prefill(self, seq: _Sequence) -> TokenEvent | None:
-        """Fill the cache with the prompt and sample the first token. A recompute state
+        """Fill a cache row with the prompt and sample the first token. A recompute state
         (tokens but no cache) fills prompt + tokens[:-1] and samples nothing: its last
         token is the next decode input."""
-        req = seq.request
-        cap = req.prompt_len + req.params.max_new_tokens
-        H, Dh = self._layout.n_heads, self._layout.head_dim
-        dt = self._layout.torch_dtype()
-        seq.k = [torch.empty(cap, H, Dh, dtype=dt, device=self._device) for _ in range(self._layout.n_layers)]
-        seq.v = [torch.empty(cap, H, Dh, dtype=dt, device=self._device) for _ in range(self._layout.n_layers)]
-        context = list(req.prompt_ids) + seq.tokens[:-1]
-        prompt = torch.tensor(context, dtype=torch.long, device=self._device)
-        logits = None
-        for start in range(0, len(context), self.prefill_chunk):
-            ids = prompt[start:start + self.prefill_chunk][None]
-            pos = torch.arange(start, start + ids.shape[1], device=self._device)[None]
-            past = None
-            if start:
-                past = [(k[:start].transpose(0, 1)[None], v[:start].transpose(0, 1)[None]) for k, v in zip(seq.k, seq.v)]
-            logits, new_past = self.model(ids, pos, past_kv=past, use_cache=True)
-            for i, (k, v) in enumerate(new_past):
-                seq.k[i][start:start + ids.shape[1]] = k[0, :, start:].transpose(0, 1)
-                seq.v[i][start:start + ids.shape[1]] = v[0, :, start:].transpose(0, 1)
-        seq.length = len(context)
-        self._c["prefill_tokens"] += len(context)
-        self._running.append(seq)
+        context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+        row = self._add_row(seq, len(context) + 1)
+        logits = self._fill(self._cache, row, context, 0, len(context))
         return self._emit(seq, logits[0, -1]) if not seq.tokens else None
 
-    def _decode(self, batch: list[_Sequence]) -> list[TokenEvent]:
-        B = len(batch)
-        lengths = torch.tensor([s.length for s in batch], device=self._device)
-        s_max = int(lengths.max())
-        H, Dh = self._layout.n_heads, self._layout.head_dim
-        dt = self._layout.torch_dtype()
-        past = []
-        for layer in range(self._layout.n_layers):
-            k = torch.zeros(B, H, s_max, Dh, dtype=dt, device=self._device)
-            v = torch.zeros(B, H, s_max, Dh, dtype=dt, device=self._device)
-            for b, s in enumerate(batch):
-                k[b, :, :s.length] = s.k[layer][:s.length].transpose(0, 1)
-                v[b, :, :s.length] = s.v[layer][:s.length].transpose(0, 1)
-            past.append((k, v))
-        ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long, device=self._device)
-        pos = lengths[:, None]
-        mask = None
-        if bool((lengths != s_max).any()):
-            cols = torch.arange(s_max + 1, device=self._device)
-            mask = ((cols[None, :] < lengths[:, None]) | (cols[None, :] == s_max))[:, None, None, :]
-        logits, new_past = self.model(ids, pos, attn_mask=mask, past_kv=past, use_cache=True)
-        events = []
-        for b, s in enumerate(batch):
-            for layer, (k, v) in enumerate(new_past):
-                s.k[layer][s.length] = k[b, :, s_max]
-                s.v[layer][s.length] = v[b, :, s_max]
-            s.length += 1
-            self._c["decode_tokens"] += 1
-            events.append(self._emit(s, logits[b, -1]))
-        return events
+    def _fill(self, cache: SlotKVCache, row: int, context: list[int], start: int, end: int) -> torch.Tensor:
+        """Run context[start:end] through the model into ``row``, ``prefill_chunk`` tokens a
+        forward; returns the last forward's logits."""
+        ids_all = torch.tensor(context[start:end], dtype=torch.long, device=self._device)
+        logits = None
+        for at in range(start, end, self.prefill_chunk):
+            ids = ids_all[at - start:at - start + self.prefill_chunk][None]
+            pos = torch.arange(at, at + ids.shape[1], device=self._device)[None]
+            hook = cache.prefill(row, ids.shape[1])
+            logits = self.model(ids, pos, kv_cache=hook)
+            hook.commit()
+        self._c["prefill_tokens"] += end - start
+        return logits
 
-    def _emit(self, seq: _Sequence, logits: torch.Tensor) -> TokenEvent:
-        token, logprob = sample_token(logits.cpu(), seq.request.params, seq.generator)
+    def _continue_staging(self, budget: float, events: list[TokenEvent]) -> int:
+        """Prefill up to ``budget`` more tokens of the staged sequence; once its context is in,
+        its row moves into the batch's cache (one copy) and it samples its first token.
+        Returns the tokens used."""
+        seq, cache = self._staging, self._staging_cache
+        context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+        done = cache.lengths[0]
+        end = int(min(len(context), done + budget))
+        logits = self._fill(cache, 0, context, done, end)
+        if end == len(context):
+            self._staging = self._staging_cache = None
+            row = self._add_row(seq, end + 1)
+            self._cache.write(row, cache.read(0))
+            if not seq.tokens:
+                events.append(self._emit(seq, logits[0, -1]))
+        return end - done
+
+    def _decode(self) -> list[TokenEvent]:
+        batch = list(self._rows)
+        ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long, device=self._device)
+        hook = self._cache.decode()
+        logits = self.model(ids, hook.pos[:, None], kv_cache=hook)   # each row's position is its length
+        hook.commit()
+        self._c["decode_tokens"] += len(batch)
+        last = logits[:, -1]
+        # Greedy rows are picked for the whole batch at once, by the rule of sample_token
+        # (argmax of the logits, logprob from float32 log_softmax): one op, not one per row.
+        greedy = [b for b, s in enumerate(batch) if s.request.params.greedy]
+        picks = {}
+        if greedy:
+            rows = last[greedy]
+            tokens = rows.argmax(-1)
+            logprobs = torch.log_softmax(rows.float(), -1).gather(1, tokens[:, None])[:, 0]
+            picks = dict(zip(greedy, zip(tokens.tolist(), logprobs.tolist())))
+        return [self._emit(s, last[b], picks.get(b)) for b, s in enumerate(batch)]
+
+    def _add_row(self, seq: _Sequence, tokens: int) -> int:
+        # Room for twice what it holds now, up to the request's own bound: decoding then
+        # rarely regrows the cache, and a large budget does not reserve memory up front.
+        bound = seq.request.prompt_len + seq.request.params.max_new_tokens
+        row = self._cache.add_row(max(tokens, min(bound, 2 * tokens)))
+        self._rows.append(seq)
+        self._running.append(seq)
+        seq.prefilled = True
+        return row
+
+    def _remove_row(self, seq: _Sequence) -> None:
+        """Free the sequence's row; the cache moves its last row there, and so do we."""
+        row = self._rows.index(seq)
+        self._cache.remove_row(row)
+        last = self._rows.pop()
+        if last is not seq:
+            self._rows[row] = last
+        self._running.remove(seq)
+
+    def _emit(self, seq: _Sequence, logits: torch.Tensor, picked: tuple[int, float] | None = None) -> TokenEvent:
+        token, logprob = picked or sample_token(logits.cpu(), seq.request.params, seq.generator)
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.policy_version = min(seq.policy_version, self._version)
@@ -222,7 +273,7 @@ class TorchEngine(EngineBookkeeping, Engine):
             reason = "length"
         event = TokenEvent(seq.request.request_id, token, logprob, len(seq.tokens) - 1, reason)
         if reason is not None:
-            self._running.remove(seq)
+            self._remove_row(seq)
             self._c["requests_finished"] += 1
             r = seq.request
             self._finished[r.request_id] = Output(
@@ -236,11 +287,14 @@ class TorchEngine(EngineBookkeeping, Engine):
         if seq is None:
             where = "finished (pop_output it)" if request_id in self._finished else "not in this engine"
             raise KeyError(f"engine {self.name}: request {request_id!r} is {where}; only in-flight requests export")
+        kv = ()
         if seq.prefilled:
-            self._running.remove(seq)
+            kv = self._cache.read(self._rows.index(seq))
+            self._remove_row(seq)
+        elif seq is self._staging:   # a partial prefill does not travel: the destination redoes it
+            self._staging = self._staging_cache = None
         else:
             self._queue.remove(seq)
-        kv = tuple((k[:seq.length], v[:seq.length]) for k, v in zip(seq.k, seq.v)) if seq.prefilled else ()
         self._c["migrations_out"] += 1
         return KVState(
             request=seq.request, layout=self._layout, token_ids=tuple(seq.tokens), logprobs=tuple(seq.logprobs),
@@ -265,14 +319,8 @@ class TorchEngine(EngineBookkeeping, Engine):
         if not state.prefilled:
             self._queue.append(seq)  # prefilled at the next step (recompute states included)
             return
-        cap = state.request.prompt_len + state.request.params.max_new_tokens
-        for k, v in state.kv:
-            for src, dst in ((k, seq.k), (v, seq.v)):
-                buf = torch.empty((cap,) + tuple(src.shape[1:]), dtype=src.dtype, device=self._device)
-                buf[:src.shape[0]] = src
-                dst.append(buf)
-        seq.length = state.cached_len
-        self._running.append(seq)
+        row = self._add_row(seq, state.cached_len + 1)
+        self._cache.write(row, [(k.to(self._device), v.to(self._device)) for k, v in state.kv])
 
     def close_admission(self) -> None:
         self._accepting = False

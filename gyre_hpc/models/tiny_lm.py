@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,17 @@ VOCAB_SIZE = 264
 # (q, k, v) [B, H, T, Dh] / [B, H, S, Dh] -> out [B, H, T, Dh]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PastKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVCacheHook(Protocol):
+    """An engine's KV cache as the model sees it (the engine-side cache implements it).
+
+    ``attend(layer, q, k, v)`` gets q [B, Hq, T, Dh] and k, v [B, Hkv, T, Dh] of the NEW
+    tokens only, after RoPE; it stores k, v and returns the attention output [B, Hq, T, Dh]
+    over the cached past and the new tokens, causal within the new tokens.
+    """
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -99,20 +110,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LMConfig):
+    def __init__(self, cfg: LMConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, attn_mask, past, attention_fn):
+    def forward(self, x, cos, sin, attn_mask, past, attention_fn, kv_cache=None):
         B, T, _ = x.shape
         split = lambda t: t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # noqa: E731
         q = apply_rotary(split(self.q_proj(x)), cos, sin)
         k = apply_rotary(split(self.k_proj(x)), cos, sin)
         v = split(self.v_proj(x))
+        if kv_cache is not None:
+            out = kv_cache.attend(self.layer_idx, q, k, v).transpose(1, 2).reshape(B, T, -1)
+            return self.o_proj(out), None
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -145,15 +160,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LMConfig):
+    def __init__(self, cfg: LMConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn_mask, past, attention_fn):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past, attention_fn)
+    def forward(self, x, cos, sin, attn_mask, past, attention_fn, kv_cache=None):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past, attention_fn, kv_cache)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv
@@ -165,7 +180,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: LMConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
@@ -186,13 +201,21 @@ class TinyLM(nn.Module):
         past_kv: PastKV | None = None,
         use_cache: bool = False,
         attention_fn: AttentionFn | None = None,
+        kv_cache: KVCacheHook | None = None,
     ):
         """Logits [B, T, V]; with ``use_cache`` also the per-layer (k, v) [B, H, S_past+T, Dh].
 
         ``attn_mask``: None means causal among the T new tokens and full over ``past_kv``;
         otherwise a bool tensor broadcastable to [B, H, T, S_past+T], True = may attend.
         ``attention_fn(q, k, v)``, if given, replaces the attention kernel (and the mask).
+        ``kv_cache`` (an engine's cache, see ``KVCacheHook``) stores each layer's new k, v and
+        attends over its past; with it the model takes no mask or ``past_kv`` and returns
+        logits only.
         """
+        if kv_cache is not None and (attn_mask is not None or past_kv is not None or use_cache
+                                     or attention_fn is not None):
+            raise ValueError("TinyLM.forward: kv_cache holds the past and does the attention; pass no attn_mask, "
+                             "past_kv, use_cache or attention_fn with it")
         if input_ids.shape != position_ids.shape:
             raise ValueError(
                 f"TinyLM.forward: input_ids {tuple(input_ids.shape)} and position_ids "
@@ -207,7 +230,7 @@ class TinyLM(nn.Module):
         new_past: PastKV = []
         for i, layer in enumerate(self.model.layers):
             past = past_kv[i] if past_kv is not None else None
-            x, kv = layer(x, cos, sin, attn_mask, past, attention_fn)
+            x, kv = layer(x, cos, sin, attn_mask, past, attention_fn, kv_cache)
             new_past.append(kv)
         x = self.model.norm(x)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -112,3 +112,46 @@ def test_recompute_state_continues_exactly_after_a_prefill_of_its_context(engine
     assert out.token_ids == reference.token_ids
     assert out.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
     assert b.counters().prefill_tokens == len(prompt(3)) + 6
+
+
+def test_a_prefill_budget_keeps_the_batch_decoding_while_a_long_prompt_fills(model_dir):
+    """vLLM-style token budget: an 88-token prompt under max_prefill_tokens=16 fills over six
+    steps while the running sequence gets a token every step; outputs equal the unbudgeted run."""
+    free = TorchEngine.from_pretrained(model_dir)
+    budgeted = TorchEngine.from_pretrained(model_dir, max_prefill_tokens=16, prefill_chunk=5)
+    short, long = Request("short", prompt(1), greedy(12)), Request("long", prompt(9, length=60), greedy(6))
+    want = {r.request_id: free.generate(r) for r in (short, long)}
+    budgeted.submit(short)
+    budgeted.step()
+    budgeted.submit(long)
+    assert long.prompt_len == 88
+    firsts = []
+    for _ in range(6):
+        events = budgeted.step()
+        assert "short" in {e.request_id for e in events}
+        firsts.append(any(e.request_id == "long" for e in events))
+        assert budgeted.load().queued == (0 if firsts[-1] else 1)
+    assert firsts == [False] * 5 + [True]          # ceil(88 / 16) = 6 steps
+    outputs = run_all(budgeted)
+    for rid, out in want.items():
+        assert outputs[rid].token_ids == out.token_ids, rid
+        assert outputs[rid].logprobs == pytest.approx(out.logprobs, abs=1e-5), rid
+    assert budgeted.counters().prefill_tokens == short.prompt_len + long.prompt_len
+
+
+def test_a_sequence_exported_mid_prefill_travels_unprefilled_and_finishes_exactly(model_dir):
+    a = TorchEngine.from_pretrained(model_dir, name="a", max_prefill_tokens=16)
+    b = TorchEngine.from_pretrained(model_dir, name="b")
+    req = Request("p", prompt(9, length=60), greedy(8))
+    a.submit(req)
+    a.step()
+    assert a.request_ids() == ["p"] and a.load().queued == 1 and a.counters().prefill_tokens == 16
+    state = a.kv_export("p")
+    assert not state.prefilled and state.token_ids == () and a.request_ids() == []
+    b.kv_import(state)
+    assert run_all(b)["p"].token_ids == TorchEngine.from_pretrained(model_dir).generate(req).token_ids
+
+
+def test_a_bad_prefill_budget_is_named(model_dir):
+    with pytest.raises(ValueError, match="max_prefill_tokens=0"):
+        TorchEngine.from_pretrained(model_dir, max_prefill_tokens=0)
