@@ -32,10 +32,6 @@ SANDBOX_UID_BASE = 200_000
 SANDBOX_UID_SPAN = 100_000
 
 
-class WorkspaceEscape(PermissionError):
-    """A file-tool path that resolves outside the workspace."""
-
-
 @dataclass(frozen=True)
 class Limits:
     wall_s: float = 10.0
@@ -179,21 +175,3 @@ def _collect(proc: subprocess.Popen, deadline: float, limits: Limits) -> tuple[b
     _kill_group(proc)
     proc.stdout.close()
     return bytes(kept), seen > limits.output_bytes, killed
-
-
-def resolve_in_workspace(workspace: str | Path, path: str) -> Path:
-    """The real path of ``path`` inside ``workspace``; raises WorkspaceEscape otherwise.
-
-    Resolution follows symlinks (``realpath``) before the check, so a link inside the
-    workspace that points out is refused, and so is ``..``. Commands run confined and
-    file tools run only between commands within a run, so the check cannot race a link swap.
-    """
-    ws = Path(workspace).resolve()
-    if not path or "\x00" in path:
-        raise WorkspaceEscape(f"path {path!r} is empty or holds a NUL byte")
-    if os.path.isabs(path):
-        raise WorkspaceEscape(f"path {path!r} is absolute: paths are relative to the workspace")
-    real = Path(os.path.realpath(ws / path))
-    if real != ws and ws not in real.parents:
-        raise WorkspaceEscape(f"path {path!r} resolves to {real}, outside the workspace")
-    return real

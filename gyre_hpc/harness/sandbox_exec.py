@@ -32,6 +32,10 @@ import os
 import resource
 import sys
 
+# Run as a script with -I -S: the package is not importable, its stdlib-only sibling is.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import beneath  # noqa: E402
+
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -104,10 +108,15 @@ def _build_jail(workspace):
 
 
 def _chown_tree(root, uid, gid):
-    os.lchown(root, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), uid, gid)
+    """Iterative and by directory fd (``beneath.walk``): a model-built 3,000-deep chain is
+    longer than PATH_MAX by name and deeper than Python's recursion limit."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.chown(fd, uid, gid)
+        for _, _, parent_fd, name in beneath.walk(fd):
+            os.chown(name, uid, gid, dir_fd=parent_fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
 
 
 def _set_limits(limits):
