@@ -97,7 +97,8 @@ def test_command_write_through_symlink_is_refused(ws):
         assert list(outside.iterdir()) == []
         assert not (ws.parent / "escaped.txt").exists()
         assert not Path("/var/tmp/escaped-gyre.txt").exists()
-        assert r.output.count(b"Read-only file system") == 3
+        # refused: read-only where the path exists in the jail, absent where it does not
+        assert r.output.count(b"Read-only file system") + r.output.count(b"Directory nonexistent") == 3
     finally:
         shutil.rmtree(outside)
 
@@ -219,7 +220,7 @@ def test_non_root_user_gets_the_jail_through_a_user_namespace(tmp_path):
             pytest.skip(f"this kernel gives no user namespaces to unprivileged users: {out.stdout}{out.stderr}")
         assert "65534" in out.stdout.splitlines()[1]
         assert (ws / "in.txt").read_text() == "a\n"
-        assert out.stdout.count("Read-only file system") == 2, out.stdout
+        assert out.stdout.count("Read-only file system") + out.stdout.count("Directory nonexistent") == 2, out.stdout
         assert not (base / "esc.txt").exists() and list(open_dir.iterdir()) == []
         assert "remount -1" in out.stdout      # capabilities are gone after exec
         assert _procs_running(b"sleep\x00303") == []   # the PID namespace took the background sleeps
@@ -233,3 +234,126 @@ def test_command_that_closes_its_output_still_meets_the_wall_clock(ws):
     r = run_confined("exec >/dev/null 2>&1; sleep 100", ws, Limits(wall_s=1.0))
     assert r.timed_out and time.monotonic() - t0 < 5
     assert _procs_running(b"sleep\x00100") == []
+
+
+needs_jail = pytest.mark.skipif(isolation_mode() == "plain",
+                                reason="no namespaces for this user: plain mode cannot bound a setsid leftover")
+
+
+@needs_jail
+def test_a_pid1_that_calls_setsid_dies_at_the_wall_clock(ws):
+    beat = ws / "beat"
+    r = run_confined("exec python3 -c \"import os, time\nos.setsid()\nwhile True:\n"
+                     "    open('beat', 'a').write('x')\n    time.sleep(0.05)\"", ws, Limits(wall_s=1.0))
+    assert r.timed_out
+    time.sleep(0.5)
+    size = beat.stat().st_size
+    time.sleep(1.0)
+    assert beat.stat().st_size == size      # nothing of the jail writes any more
+    if isolation_mode() == "root":
+        assert _procs_of_uid(sandbox_uid(ws)) == []
+
+
+@needs_jail
+def test_double_fork_new_session_leftovers_die_with_the_jail(ws):
+    r = run_confined("python3 -c \"import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                     "        os.execvp('sleep', ['sleep', '3181'])\n    os._exit(0)\nos.wait()\"; exit 0", ws, Limits(wall_s=5.0))
+    assert r.ok
+    assert _procs_running(b"sleep\x003181") == []
+
+
+def _unix_server(path: Path):
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    os.chmod(path, 0o777)
+    s.listen(4)
+    return s
+
+
+@needs_jail
+def test_no_host_unix_socket_abstract_socket_or_ipc_segment_is_reachable(ws):
+    import ctypes
+    import socket
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-sock-"))
+    base.chmod(0o755)
+    path_srv = _unix_server(base / "s")
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    abstract.bind(b"\0gyre-test-abstract-%d" % os.getpid())
+    abstract.listen(4)
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x6779_0000 + os.getpid() % 0xFFFF
+    own_key = 0x5E00_0000 + int.from_bytes(os.urandom(2), "little")
+    host_seg = libc.shmget(key, 4096, 0o1666)     # IPC_CREAT | 0666: any uid could attach it
+    assert host_seg >= 0
+    try:
+        probe = ("import socket\nfor a in (%r, %r, '/run/munge/munge.socket.2'):\n"
+                 "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(a)\n        print('REACHED', a)\n"
+                 "    except OSError as e:\n        print('refused', e.errno)\n"
+                 "import ctypes\nlibc = ctypes.CDLL(None)\nprint('host segment', libc.shmget(%d, 0, 0))\n"
+                 "print('own segment', libc.shmget(%d, 4096, 0o1600))\n"
+                 % (str(base / "s"), "\0gyre-test-abstract-%d" % os.getpid(), key, own_key))
+        (ws / "probe.py").write_text(probe)
+        r = run_confined("python3 probe.py", ws)
+        assert b"REACHED" not in r.output and r.output.count(b"refused") == 3, r.output
+        assert b"host segment -1" in r.output
+        assert b"own segment -1" not in r.output
+        # the jail's segment went with its IPC namespace
+        host_keys = [int(line.split()[0]) for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+        assert key in host_keys and own_key not in host_keys
+    finally:
+        libc.shmctl(host_seg, 0, None)           # IPC_RMID
+        path_srv.close()
+        abstract.close()
+        shutil.rmtree(base)
+
+
+@needs_jail
+def test_sibling_workspaces_and_journals_are_not_visible(tmp_path):
+    run = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-run-"))
+    try:
+        run.chmod(0o755)
+        (run / "workspaces" / "a").mkdir(parents=True)
+        (run / "workspaces" / "b").mkdir(parents=True)
+        (run / "workspaces" / "b" / "solution.py").write_text("SECRET = 1\n")
+        (run / "journals").mkdir()
+        (run / "journals" / "b.jsonl").write_text("{}\n")
+        for d in (run, run / "workspaces", run / "workspaces" / "b", run / "journals"):
+            d.chmod(0o755)
+        r = run_confined(f"cat {run}/workspaces/b/solution.py {run}/journals/b.jsonl ../b/solution.py; "
+                         f"ls {run} /run /var/run /tmp /home /root 2>&1; true", run / "workspaces" / "a")
+        assert b"SECRET" not in r.output and b"{}" not in r.output and b"munge" not in r.output, r.output
+        assert r.output.count(b"No such file or directory") == 8   # 3 files, 5 directories
+    finally:
+        shutil.rmtree(run)
+
+
+@needs_root
+def test_a_non_ascii_mount_point_stays_read_only(ws):
+    import subprocess as sp
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-mnt-ü x-"))
+    mnt = base / "naïve mount"
+    mnt.mkdir()
+    assert sp.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", str(mnt)]).returncode == 0
+    try:
+        r = run_confined(f"echo pwned > '{mnt}/f'; ls -d '{mnt}'", ws, Limits(host_paths=Limits().host_paths + (str(base),)))
+        assert not (mnt / "f").exists(), r.output
+        assert str(mnt).encode() in r.output             # it was visible, and read-only
+    finally:
+        sp.run(["umount", str(mnt)])
+        shutil.rmtree(base)
+
+
+def test_mountinfo_escapes_and_non_ascii_are_decoded():
+    from gyre_hpc.harness.sandbox_exec import mounts_beneath, parse_mountinfo
+    line = ("36 25 0:30 / /var/tmp/gyre-\u00fc\\040x/na\u00efve\\011tab rw,nosuid,relatime shared:1 - tmpfs tmpfs rw\n"
+            "37 25 0:31 / /back\\134slash\\012nl ro,nodev - tmpfs tmpfs rw\n"
+            "38 25 0:32 / /tmp/hidden rw - tmpfs tmpfs rw\n"         # under the old root's /tmp
+            "40 25 0:33 / /tmp rw - tmpfs tmpfs rw\n"                # the new root
+            "41 40 0:34 / /tmp/usr ro - ext4 /dev/vda ro\n"
+            "42 41 0:35 / /tmp/usr/\u00fcber rw,nodev - tmpfs tmpfs rw\n").encode()
+    parsed = parse_mountinfo(line)
+    (_, _, p1, f1), (_, _, p2, f2) = parsed[:2]
+    assert p1 == "/var/tmp/gyre-\u00fc x/na\u00efve\ttab" and p2 == "/back\\slash\nnl"
+    assert f1 == 2 | 2097152 and f2 == 4 | 1        # nosuid|relatime; nodev|rdonly kept as they were
+    assert mounts_beneath(parsed, "/tmp") == [("/", 0), ("/usr", 1), ("/usr/\u00fcber", 4)]
