@@ -357,3 +357,70 @@ def test_mountinfo_escapes_and_non_ascii_are_decoded():
     assert p1 == "/var/tmp/gyre-\u00fc x/na\u00efve\ttab" and p2 == "/back\\slash\nnl"
     assert f1 == 2 | 2097152 and f2 == 4 | 1        # nosuid|relatime; nodev|rdonly kept as they were
     assert mounts_beneath(parsed, "/tmp") == [("/", 0), ("/usr", 1), ("/usr/\u00fcber", 4)]
+
+
+_ATTACKS_AS_USER = r'''
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from gyre_hpc.harness.confine import Limits, isolation_mode, run_confined
+from gyre_hpc.harness.tasks import Task, TaskTest, check_workspace
+from gyre_hpc.harness.tools import ToolError, Workspace
+base = sys.argv[2]
+ws = os.path.join(base, "ws")
+print("mode", isolation_mode())
+r = run_confined("exec python3 -c \"import os, time\nos.setsid()\nwhile True:\n    open('beat', 'a').write('x')\n"
+                 "    time.sleep(0.05)\"", ws, Limits(wall_s=1.0))
+time.sleep(0.5)
+size = os.path.getsize(os.path.join(ws, "beat"))
+time.sleep(1.0)
+print("setsid", r.timed_out, os.path.getsize(os.path.join(ws, "beat")) == size)
+r = run_confined("python3 -c \"import socket\nfor a in ('%s/s', '/run/munge/munge.socket.2'):\n"
+                 "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(a); print('REACHED', a)\n"
+                 "    except OSError: print('refused')\"; cat %s/sibling/secret.txt" % (base, base), ws)
+sys.stdout.write(r.output.decode())
+task = Task("add", "s", tests=(TaskTest("add", "import mathx\nassert mathx.add(2, 3) == 5"),))
+open(os.path.join(ws, "mathx.py"), "w").write("import json, os, sys\nm = sys.modules['__main__']\n"
+    "m.results.write(m.NONCE + json.dumps(['add', True, '']) + '\\n') if hasattr(m, 'NONCE') else None\nos._exit(0)\n")
+print("forged score", check_workspace(task, ws).score)
+try:
+    Workspace(ws).read("out_link")
+    print("READ OUTSIDE")
+except ToolError:
+    print("link blocked")
+'''
+
+
+@needs_root
+def test_the_attacks_hold_when_the_harness_runs_as_an_unprivileged_user():
+    """Re-run the new attacks with the harness itself as nobody (as on a cluster): the jail is
+    then built in a user namespace, and must hold the same."""
+    if not (Path("/usr/bin/python3").exists() and shutil.which("setpriv")):
+        pytest.skip("needs /usr/bin/python3 and setpriv to act as an unprivileged user")
+    import socket
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-userns-attacks-"))
+    try:
+        base.chmod(0o755)
+        (base / "ws").mkdir()
+        os.chown(base / "ws", 65534, 65534)
+        (base / "sibling").mkdir()
+        (base / "sibling" / "secret.txt").write_text("SIBLING-SECRET")
+        (base / "sibling" / "secret.txt").chmod(0o644)
+        os.symlink(base / "sibling" / "secret.txt", base / "ws" / "out_link")
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(str(base / "s"))
+        os.chmod(base / "s", 0o777)
+        srv.listen(2)
+        repo = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              "/usr/bin/python3", "-I", "-c", _ATTACKS_AS_USER, str(repo), str(base)],
+                             capture_output=True, text=True, timeout=120)
+        srv.close()
+        if "mode userns" not in out.stdout:
+            pytest.skip(f"this kernel gives no user namespaces to unprivileged users: {out.stdout}{out.stderr}")
+        assert "setsid True True" in out.stdout, out.stdout + out.stderr
+        assert "REACHED" not in out.stdout and out.stdout.count("refused") == 2, out.stdout
+        assert "SIBLING-SECRET" not in out.stdout
+        assert "forged score 0.0" in out.stdout, out.stdout + out.stderr
+        assert "link blocked" in out.stdout
+    finally:
+        shutil.rmtree(base)
