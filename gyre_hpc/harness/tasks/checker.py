@@ -229,11 +229,16 @@ def _in_workspace(top):
 
 
 class WorkspaceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Per test: the worker starts at the test's first workspace import (most checks of files
+    import nothing) and ends with the test."""
     worker = None
+    deadline = 0.0
 
     def find_spec(self, name, path=None, target=None):
-        if self.worker is None or not _in_workspace(name.split(".")[0]):
+        if not self.deadline or not _in_workspace(name.split(".")[0]):
             return None
+        if self.worker is None:
+            self.worker = Worker(self.deadline)
         return importlib.util.spec_from_loader(name, self, is_package=True)
 
     def create_module(self, spec):
@@ -268,15 +273,16 @@ for i, (name, code) in enumerate(TESTS):
     for m in [m for m in sys.modules if m not in base_modules]:
         del sys.modules[m]
     share = (BUDGET_S - (time.monotonic() - start)) / (len(TESTS) - i)
-    finder.worker = Worker(time.monotonic() + max(share, 0.05))
+    finder.deadline = time.monotonic() + max(share, 0.05)
     try:
         exec(compile(code, "<test " + name + ">", "exec"), {"__name__": "__gyre_test__"})
         ok, why = True, ""
     except BaseException as exc:
         ok, why = False, (type(exc).__name__ + ": " + str(exc))[:200]
     finally:
-        finder.worker.close()
-        finder.worker = None
+        if finder.worker is not None:
+            finder.worker.close()
+        finder.worker, finder.deadline = None, 0.0
     results.write(NONCE + json.dumps([name, ok, why]) + "\n")
     results.flush()
 '''
