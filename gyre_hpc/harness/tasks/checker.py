@@ -114,7 +114,9 @@ for line in proto_in:
 
 _JUDGE = _CODEC + r'''
 import builtins, ctypes, importlib.abc, importlib.util, os, select, subprocess, sys, time
-ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no same-uid ptrace, /proc/<pid>/mem or fd
+# PR_SET_DUMPABLE 0: no same-uid ptrace, /proc/<pid>/mem or fd. Without it, no verdicts at all.
+if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:
+    raise SystemExit("cannot make the judge non-dumpable")
 NONCE = %(nonce)r
 TESTS = json.loads(%(tests)r)
 BUDGET_S = %(budget_s)r
