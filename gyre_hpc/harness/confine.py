@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import select
 import selectors
 import signal
 import subprocess
@@ -115,6 +114,9 @@ def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             env={"PATH": SANDBOX_PATH}, cwd=str(ws), close_fds=True, pass_fds=(pid_write,))
+    except BaseException:
+        os.close(pid_read)
+        raise
     finally:
         os.close(pid_write)
     try:
@@ -144,13 +146,15 @@ class _JailInit:
     @classmethod
     def read(cls, fd: int, deadline: float) -> "_JailInit":
         data = b""
-        while not data.endswith(b"\n"):
-            if not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
-                break
-            chunk = os.read(fd, 32)
-            if not chunk:
-                break    # the jail failed before PID 1 existed; its output says why
-            data += chunk
+        with selectors.DefaultSelector() as sel:   # not select(): the harness may hold > 1024 fds
+            sel.register(fd, selectors.EVENT_READ)
+            while not data.endswith(b"\n"):
+                if not sel.select(timeout=max(deadline - time.monotonic(), 0)):
+                    break
+                chunk = os.read(fd, 32)
+                if not chunk:
+                    break    # the jail failed before PID 1 existed; its output says why
+                data += chunk
         if not data.strip():
             return cls(None)
         try:

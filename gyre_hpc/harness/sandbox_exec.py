@@ -146,7 +146,9 @@ def _enter_user_namespace():
 def _bind_host_paths(host_paths):
     """O_PATH fds of the host paths to expose (opened before the tmpfs hides anything)."""
     binds, links = [], []
-    for p in host_paths:
+    for p in sorted(os.path.normpath(p) for p in host_paths):
+        if any(p.startswith(b + "/") for b, _ in binds):
+            continue  # already inside a recursive bind; a mkdir for it would land on the host
         if os.path.islink(p):
             links.append((p, os.readlink(p)))
         elif os.path.isdir(p):
