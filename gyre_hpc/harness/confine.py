@@ -48,6 +48,14 @@ class Limits:
         for name in ("wall_s", "cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile", "output_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name}={getattr(self, name)} must be > 0")
+        for p in self.host_paths:
+            norm = os.path.normpath(p)
+            # The jail's own /tmp (the workspace), /proc and /dev are built fresh; exposing the
+            # host's there would put its sockets and sibling workspaces back in view.
+            if not os.path.isabs(p) or norm == "/" or any(norm == d or norm.startswith(d + "/")
+                                                           for d in ("/tmp", "/proc", "/dev")):
+                raise ValueError(f"Limits.host_paths has {p!r}: host paths are absolute and outside /, /tmp, "
+                                 f"/proc and /dev (the jail builds those itself)")
 
 
 @dataclass(frozen=True)

@@ -424,3 +424,10 @@ def test_the_attacks_hold_when_the_harness_runs_as_an_unprivileged_user():
         assert "link blocked" in out.stdout
     finally:
         shutil.rmtree(base)
+
+
+def test_host_paths_that_would_undo_the_jail_are_refused():
+    for bad in ("/", "/tmp", "/tmp/x", "/proc", "/dev/shm", "usr"):
+        with pytest.raises(ValueError, match="Limits.host_paths"):
+            Limits(host_paths=("/usr", bad))
+    assert Limits(host_paths=("/usr", "/opt/python")).host_paths == ("/usr", "/opt/python")
