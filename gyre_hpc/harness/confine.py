@@ -128,7 +128,9 @@ def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
     finally:
         os.close(pid_write)
     try:
-        jail = _JailInit.read(pid_read, start + limits.wall_s) if mode != "plain" else _JailInit(None)
+        # PID 1 reports before any of the command runs; on a loaded machine that can take
+        # longer than a short wall clock, and without its pid a setsid leftover could survive.
+        jail = _JailInit.read(pid_read, start + max(limits.wall_s, 30.0)) if mode != "plain" else _JailInit(None)
     finally:
         os.close(pid_read)
     try:

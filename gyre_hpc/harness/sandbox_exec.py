@@ -61,7 +61,8 @@ MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 _KEEP_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
-               "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+               "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME,
+               "nosymfollow": 256}  # locked in a user namespace: a remount must keep each of these
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 JAIL_WORKSPACE = "/tmp/workspace"
 NEW_ROOT = "/tmp"           # the tmpfs the new root is built on, before pivot_root
