@@ -111,3 +111,14 @@ def test_workspace_objects_reach_the_tests_through_calls(tmp_path):
         "def boom():\n    return 1 / 0\n")
     report = check_workspace(task, ws)
     assert report.passed == (True,) * 5, report.summary()
+
+
+def test_a_hanging_workspace_module_fails_its_test_and_later_tests_still_run(tmp_path):
+    task = Task("t", "s", tests=(TaskTest("hangs", "import slow\nslow.f()"), TaskTest("after", "pass"),
+                                 TaskTest("dies", "import dies"), TaskTest("last", "assert 1 + 1 == 2")))
+    ws = task.materialize(tmp_path / "ws")
+    (ws / "slow.py").write_text("def f():\n    while True:\n        pass\n")
+    (ws / "dies.py").write_text("import os\nos.kill(os.getpid(), 9)\n")
+    report = check_workspace(task, ws, Limits(wall_s=6.0, cpu_s=6))
+    assert report.passed == (False, True, False, True), report.summary()
+    assert "TimeoutError" in report.reasons[0] and "died" in report.reasons[2]
