@@ -432,3 +432,44 @@ def test_host_paths_that_would_undo_the_jail_are_refused():
         with pytest.raises(ValueError, match="Limits.host_paths"):
             Limits(host_paths=("/usr", bad))
     assert Limits(host_paths=("/usr", "/opt/python")).host_paths == ("/usr", "/opt/python")
+
+
+_FAIL_CLOSED_AS_USER = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+from gyre_hpc.harness.confine import Limits, isolation_mode, run_confined
+print("mode", isolation_mode())
+r = run_confined("echo RAN", sys.argv[2], Limits(host_paths=Limits().host_paths + (sys.argv[3],)))
+print("rc", r.returncode)
+sys.stdout.write(r.output.decode())
+'''
+
+
+@needs_root
+def test_a_mount_that_cannot_be_made_read_only_fails_the_jail_closed():
+    """As nobody, a mount under a root-only directory cannot be reached to remount it read-only
+    (no DAC override for an unmapped owner): the jail must refuse to run, not run writable."""
+    import subprocess as sp
+    if not (Path("/usr/bin/python3").exists() and shutil.which("setpriv")):
+        pytest.skip("needs /usr/bin/python3 and setpriv to act as an unprivileged user")
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-closed-"))
+    mnt = base / "exposed" / "priv" / "mnt"
+    mnt.mkdir(parents=True)
+    for d in (base, base / "exposed"):
+        d.chmod(0o755)
+    (base / "exposed" / "priv").chmod(0o700)
+    (base / "ws").mkdir()
+    os.chown(base / "ws", 65534, 65534)
+    assert sp.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", str(mnt)]).returncode == 0
+    try:
+        repo = Path(__file__).resolve().parents[2]
+        out = sp.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                      "-c", _FAIL_CLOSED_AS_USER, str(repo), str(base / "ws"), str(base / "exposed")],
+                     capture_output=True, text=True, timeout=60)
+        if "mode userns" not in out.stdout:
+            pytest.skip(f"this kernel gives no user namespaces to unprivileged users: {out.stdout}{out.stderr}")
+        assert "rc 125" in out.stdout and "jail setup failed" in out.stdout, out.stdout + out.stderr
+        assert "RAN" not in out.stdout
+    finally:
+        sp.run(["umount", str(mnt)])
+        shutil.rmtree(base)
