@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# No count in a run is near this; a value past it is a typo (1e20) or an overflow waiting in
+# MPI, Slurm or HDF5, all of which take 32- or 64-bit integers.
+MAX_INT = 2**63 - 1
 
 from gyre_hpc.sched.registry import POLICY_NAMES  # the one list of policy names
 
@@ -22,18 +26,26 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` for a learning rate or a timeout is never what was meant.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _ints_fit_64_bits(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise ValueError(f"{value} does not fit a 64-bit integer")
+        return value
 
 
 class CellPlan(_Section):
     """How the fleet is carved into cells. Cell 0..count-1; one is the core cell."""
 
-    count: int = Field(3, ge=1, description="number of cells, core included")
-    ranks_per_cell: int = Field(1, ge=1)
+    count: int = Field(3, ge=1, le=4096, description="number of cells, core included")
+    ranks_per_cell: int = Field(1, ge=1, le=4096)
     core: int = Field(0, ge=0, description="index of the core cell (always trains)")
     rollout_only: list[int] = Field(default_factory=list, description="cells that never train")
-    nodes_per_cell: int = Field(1, ge=1, description="Slurm nodes per cell (het component shape)")
-    cpus_per_rank: int = Field(1, ge=1)
+    nodes_per_cell: int = Field(1, ge=1, le=4096, description="Slurm nodes per cell (het component shape)")
+    cpus_per_rank: int = Field(1, ge=1, le=4096)
     mem_per_cell_mb: int = Field(0, ge=0, description="0 = Slurm default")
     initial_train: list[int] | None = Field(
         None, description="cells (besides core) that start in TRAIN; default: none")
@@ -54,13 +66,24 @@ class CellPlan(_Section):
 class SchedulerConfig(_Section):
     policy: Literal[POLICY_NAMES] = "elastic"  # type: ignore[valid-type]  # names from gyre_hpc.sched.registry
     # async: how many cells train (core included) in the fixed split.
-    async_train_cells: int = Field(1, ge=1)
+    async_train_cells: int = Field(1, ge=1, le=4096)
     max_staleness: int = Field(1, ge=0, description="policy versions a rollout may lag the trainer")
     # scripted: flip every elastic cell each step (the substrate smoke test).
     interval_s: float = Field(0.5, gt=0, description="how often the controller re-evaluates the policy")
     # elastic: its thresholds (gyre_hpc.sched.elastic.ElasticParams, e.g. target_requests_per_engine);
     # unknown names fail at fleet start listing the valid ones.
     elastic: dict[str, float | int] = Field(default_factory=dict, description="elastic policy parameters")
+
+    @model_validator(mode="after")
+    def _policy_builds(self) -> "SchedulerConfig":
+        """Build the policy once: its registry refuses unknown parameters listing the valid ones."""
+        from gyre_hpc.sched.registry import policy_from_config
+
+        try:
+            policy_from_config(self)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"scheduler.{self.policy}: {exc}") from None
+        return self
 
 
 class ModelConfig(_Section):
@@ -71,12 +94,12 @@ class ModelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(4, ge=1)
+    steps: int = Field(4, ge=1, le=10_000_000)
     lr: float = Field(1e-3, gt=0)
-    micro_batch_tokens: int = Field(4096, ge=16)
-    row_tokens: int = Field(2048, ge=16)
+    micro_batch_tokens: int = Field(4096, ge=16, le=1 << 30)
+    row_tokens: int = Field(2048, ge=16, le=1 << 30)
     clip_eps: float = Field(0.2, gt=0)
-    max_paths_per_run: int = Field(8, ge=1)
+    max_paths_per_run: int = Field(8, ge=1, le=1 << 20)
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     checkpoint_every: int = Field(1, ge=1)
     shared_targets: Literal["per_sample", "once"] = Field(
@@ -90,10 +113,10 @@ class TrainConfig(_Section):
 
 class RolloutConfig(_Section):
     tasks: str = Field("builtin", description="task suite name")
-    runs_per_task: int = Field(4, ge=1, description="G: runs per task (the advantage group)")
-    tasks_per_step: int = Field(2, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
-    context_limit: int = Field(1024, ge=64, description="compress the context past this many tokens")
+    runs_per_task: int = Field(4, ge=1, le=65536, description="G: runs per task (the advantage group)")
+    tasks_per_step: int = Field(2, ge=1, le=1 << 20)
+    max_new_tokens: int = Field(64, ge=1, le=1 << 24)
+    context_limit: int = Field(1024, ge=64, le=1 << 30, description="compress the context past this many tokens")
     run_timeout_s: float = Field(120.0, gt=0)
     temperature: float = Field(1.0, ge=0)
     engine: Literal["torch", "vllm"] = "torch"
@@ -107,15 +130,15 @@ class RolloutConfig(_Section):
 class SlurmConfig(_Section):
     partition: str | None = None
     account: str | None = None
-    time_min: int = Field(60, ge=1, description="job time limit in minutes")
-    signal_s: int = Field(120, ge=1, description="USR2 this many seconds before the time limit")
-    head_cpus: int = Field(1, ge=1)
+    time_min: int = Field(60, ge=1, le=366 * 24 * 60, description="job time limit in minutes")
+    signal_s: int = Field(120, ge=1, le=86400, description="USR2 this many seconds before the time limit")
+    head_cpus: int = Field(1, ge=1, le=4096)
     mpi: str = Field("pmix", description="srun --mpi plugin")
     extra_args: list[str] = Field(default_factory=list, description="extra #SBATCH/srun arguments")
 
 
 class SuperviseConfig(_Section):
-    max_relaunches: int = Field(3, ge=0, description="relaunches of a killed fleet step before failing")
+    max_relaunches: int = Field(3, ge=0, le=10_000, description="relaunches of a killed fleet step before failing")
     poll_s: float = Field(0.5, gt=0)
 
 
@@ -134,6 +157,19 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_is_a_directory(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty: name a directory (it would otherwise be the current directory)")
+        path = Path(value).expanduser()
+        for p in (path, *path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise ValueError(f"{value!r}: {p} exists and is not a directory")
+                break
+        return value
 
     @model_validator(mode="after")
     def _policy_fits_plan(self) -> "RunConfig":
@@ -179,6 +215,27 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently,
+    so a second ``train:`` drops the whole first section)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {seen[key]} and line {line})", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys; every config-like YAML goes through it."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (['a','b'], value), the value parsed as YAML so 3, true, [1,2] keep their types."""
     if "=" not in text:
@@ -187,7 +244,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"--set {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
     return key.strip().split("."), value
@@ -222,7 +279,7 @@ def read_yaml_mapping(path: str | Path, what: str, error: type[Exception] = Conf
     if not p.is_file():
         raise error(f"{what} {p} does not exist")
     try:
-        loaded = yaml.safe_load(p.read_text())
+        loaded = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
         raise error(f"{what} {p} is not valid YAML: {exc}") from None
     if loaded is None:

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from gyre_hpc.config import ConfigError, build_config, load_config
@@ -70,3 +72,61 @@ def test_roundtrip_yaml():
     cfg = build_config({"cells": {"count": 4}})
     import yaml
     assert build_config(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+# --- strictness: every bad value below is refused before anything starts, naming the field
+
+
+def test_duplicate_yaml_key_is_refused_naming_key_and_lines(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("train:\n  lr: 0.01\ncells:\n  count: 2\ntrain:\n  steps: 9\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml.*duplicate key 'train'.*line 1.*line 5"):
+        load_config(p)
+
+
+def test_duplicate_key_inside_an_override_value_is_refused():
+    with pytest.raises(ConfigError, match="duplicate key 'fill'"):
+        build_config(overrides=["scheduler.elastic={fill: 0.5, fill: 0.9}"])
+
+
+@pytest.mark.parametrize("field,value", [("train.lr", ".inf"), ("train.lr", ".nan"), ("rollout.run_timeout_s", ".inf"),
+                                         ("rollout.temperature", "-.inf"), ("scheduler.elastic.fill", ".nan")])
+def test_non_finite_floats_are_refused(field, value):
+    with pytest.raises(ConfigError, match=re.escape(field) + ".*finite"):
+        build_config(overrides=[f"{field}={value}"])
+
+
+@pytest.mark.parametrize("field,value", [("cells.count", "1e20"), ("cells.count", "100000000000000000000"),
+                                         ("cells.count", "1.0e15"), ("train.steps", "99999999999999"),
+                                         ("rollout.runs_per_task", "1000000000")])
+def test_out_of_range_counts_are_refused(field, value):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        build_config(overrides=[f"{field}={value}"])
+
+
+def test_empty_run_dir_is_refused():
+    with pytest.raises(ConfigError, match="run_dir: .*is empty"):
+        build_config(overrides=["run_dir="])
+    with pytest.raises(ConfigError, match="run_dir: .*is empty"):
+        build_config({"run_dir": "  "})
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"run_dir.*afile.*not a directory"):
+        build_config(overrides=[f"run_dir={f}"])
+    with pytest.raises(ConfigError, match=r"run_dir.*not a directory"):
+        build_config(overrides=[f"run_dir={f}/sub"])
+
+
+def test_unknown_scheduler_parameter_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as e:
+        build_config(overrides=["scheduler.elastic={target_requests_per_engin: 8}"])
+    msg = str(e.value)
+    assert "scheduler.elastic" in msg and "target_requests_per_engin" in msg and "target_requests_per_engine" in msg
+
+
+def test_bad_scheduler_parameter_value_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"scheduler\.elastic.*target_requests_per_engine"):
+        build_config(overrides=["scheduler.elastic={target_requests_per_engine: 0}"])

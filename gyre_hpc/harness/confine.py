@@ -1,13 +1,10 @@
-"""Confinement for model-written commands and the path guard for the file tools.
+"""Confinement for model-written commands.
 
-Two mechanisms, because they guard different doors:
-- commands run through ``sandbox_exec.py`` (namespaces, read-only mounts, an unprivileged
-  uid, rlimits; see that module for the sequence and why each step is there), in their own
-  session/process group, with a scrubbed environment and a wall-clock timeout that kills
-  the whole group; output is capped;
-- the file tools (read/write/list) run in the harness process itself, so they resolve
-  every path with ``realpath`` and refuse anything that leaves the workspace (``..``,
-  absolute paths, symlinks pointing out).
+Commands run through ``sandbox_exec.py`` (namespaces, a minimal read-only root, an
+unprivileged uid, rlimits; see that module for the sequence and why each step is there),
+with a scrubbed environment and a wall-clock timeout that SIGKILLs the jail's PID 1 (so the
+whole PID namespace) and the launcher's process group; output is capped. The file tools,
+which run in the harness process itself, guard their own door: see ``tools`` and ``beneath``.
 """
 from __future__ import annotations
 
@@ -30,10 +27,7 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 # their own RLIMIT_NPROC budget (it is counted per real uid, machine-wide).
 SANDBOX_UID_BASE = 200_000
 SANDBOX_UID_SPAN = 100_000
-
-
-class WorkspaceEscape(PermissionError):
-    """A file-tool path that resolves outside the workspace."""
+HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 
 @dataclass(frozen=True)
@@ -46,11 +40,22 @@ class Limits:
     nofile: int = 256
     output_bytes: int = 4096       # what the caller gets back
     drain_bytes: int = 1 << 20     # read (and drop) this much more before stopping a flood
+    # What of the host a jailed command sees, read-only (symlinks such as /bin -> usr/bin
+    # are recreated as links). Nothing else is there: no /run, /var, /home, /tmp.
+    host_paths: tuple[str, ...] = HOST_PATHS
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile", "output_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name}={getattr(self, name)} must be > 0")
+        for p in self.host_paths:
+            norm = os.path.normpath(p)
+            # The jail's own /tmp (the workspace), /proc and /dev are built fresh; exposing the
+            # host's there would put its sockets and sibling workspaces back in view.
+            if not os.path.isabs(p) or norm == "/" or any(norm == d or norm.startswith(d + "/")
+                                                           for d in ("/tmp", "/proc", "/dev")):
+                raise ValueError(f"Limits.host_paths has {p!r}: host paths are absolute and outside /, /tmp, "
+                                 f"/proc and /dev (the jail builds those itself)")
 
 
 @dataclass(frozen=True)
@@ -106,21 +111,80 @@ def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
         raise FileNotFoundError(f"workspace {ws} is not a directory")
     mode = isolation_mode()
     home = str(ws) if mode == "plain" else "/tmp/workspace"
+    pid_read, pid_write = os.pipe()
     spec = {"mode": mode, "workspace": str(ws), "command": command, "env": sandbox_env(home),
-            "uid": sandbox_uid(ws),
+            "uid": sandbox_uid(ws), "host_paths": list(limits.host_paths), "pid_fd": pid_write,
             "limits": {k: getattr(limits, k) for k in ("cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile")}}
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", str(SANDBOX_EXEC), json.dumps(spec)],
-        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        env={"PATH": SANDBOX_PATH}, cwd=str(ws), close_fds=True)
-    if stdin is not None:
-        threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
-    output, truncated, killed = _collect(proc, start + limits.wall_s, limits)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(SANDBOX_EXEC), json.dumps(spec)],
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            env={"PATH": SANDBOX_PATH}, cwd=str(ws), close_fds=True, pass_fds=(pid_write,))
+    except BaseException:
+        os.close(pid_read)
+        raise
+    finally:
+        os.close(pid_write)
+    try:
+        # PID 1 reports before any of the command runs; on a loaded machine that can take
+        # longer than a short wall clock, and without its pid a setsid leftover could survive.
+        jail = _JailInit.read(pid_read, start + max(limits.wall_s, 30.0)) if mode != "plain" else _JailInit(None)
+    finally:
+        os.close(pid_read)
+    try:
+        if stdin is not None:
+            threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
+        output, truncated, killed = _collect(proc, jail, start + limits.wall_s, limits)
+    finally:
+        jail.kill()   # whatever happened above, nothing of the jail outlives this call
+        jail.close()
     timed_out = killed == "timeout"
     rc = None if killed else proc.returncode
     return CommandResult(rc, output, timed_out, truncated, time.monotonic() - start)
+
+
+@dataclass
+class _JailInit:
+    """A pidfd on the jail's PID 1. SIGKILL to it ends the whole PID namespace, including
+    processes that left the process group (``setsid``, a double fork, a new session), which
+    a ``killpg`` misses. A pidfd, not a pid: it cannot hit a recycled pid."""
+
+    pidfd: int | None
+
+    @classmethod
+    def read(cls, fd: int, deadline: float) -> "_JailInit":
+        data = b""
+        with selectors.DefaultSelector() as sel:   # not select(): the harness may hold > 1024 fds
+            sel.register(fd, selectors.EVENT_READ)
+            while not data.endswith(b"\n"):
+                if not sel.select(timeout=max(deadline - time.monotonic(), 0)):
+                    break
+                chunk = os.read(fd, 32)
+                if not chunk:
+                    break    # the jail failed before PID 1 existed; its output says why
+                data += chunk
+        if not data.strip():
+            return cls(None)
+        try:
+            # PID 1 cannot be reaped (and its pid reused) before its parent outside, which
+            # waits for it, so opening the pidfd now names the right process.
+            return cls(os.pidfd_open(int(data)))
+        except (ProcessLookupError, ValueError):
+            return cls(None)
+
+    def kill(self) -> None:
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _feed(pipe, data: bytes) -> None:
@@ -131,14 +195,16 @@ def _feed(pipe, data: bytes) -> None:
         pass
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen, jail: "_JailInit") -> None:
+    jail.kill()
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
 
-def _collect(proc: subprocess.Popen, deadline: float, limits: Limits) -> tuple[bytes, bool, str | None]:
+def _collect(proc: subprocess.Popen, jail: "_JailInit", deadline: float,
+             limits: Limits) -> tuple[bytes, bool, str | None]:
     """Read output until exit, the deadline or a flood; kill the group on the latter two."""
     kept = bytearray()
     seen = 0
@@ -151,7 +217,7 @@ def _collect(proc: subprocess.Popen, deadline: float, limits: Limits) -> tuple[b
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 killed = "timeout"
-                _kill_group(proc)
+                _kill_group(proc, jail)
                 break
             if not sel.select(timeout=min(remaining, 0.5)):
                 continue
@@ -163,7 +229,7 @@ def _collect(proc: subprocess.Popen, deadline: float, limits: Limits) -> tuple[b
                 kept += chunk[: limits.output_bytes - len(kept)]
             if seen > limits.output_bytes + limits.drain_bytes:
                 killed = "flood"
-                _kill_group(proc)
+                _kill_group(proc, jail)
                 break
     finally:
         sel.close()
@@ -173,27 +239,9 @@ def _collect(proc: subprocess.Popen, deadline: float, limits: Limits) -> tuple[b
             proc.wait(timeout=max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
             killed = "timeout"
-            _kill_group(proc)
+            _kill_group(proc, jail)
     proc.wait()
     # The group may outlive its leader (plain mode: a background child); nothing of it stays.
-    _kill_group(proc)
+    _kill_group(proc, jail)
     proc.stdout.close()
     return bytes(kept), seen > limits.output_bytes, killed
-
-
-def resolve_in_workspace(workspace: str | Path, path: str) -> Path:
-    """The real path of ``path`` inside ``workspace``; raises WorkspaceEscape otherwise.
-
-    Resolution follows symlinks (``realpath``) before the check, so a link inside the
-    workspace that points out is refused, and so is ``..``. Commands run confined and
-    file tools run only between commands within a run, so the check cannot race a link swap.
-    """
-    ws = Path(workspace).resolve()
-    if not path or "\x00" in path:
-        raise WorkspaceEscape(f"path {path!r} is empty or holds a NUL byte")
-    if os.path.isabs(path):
-        raise WorkspaceEscape(f"path {path!r} is absolute: paths are relative to the workspace")
-    real = Path(os.path.realpath(ws / path))
-    if real != ws and ws not in real.parents:
-        raise WorkspaceEscape(f"path {path!r} resolves to {real}, outside the workspace")
-    return real

@@ -1,17 +1,25 @@
 """The workspace tools an agent acts through: read, write, append, list, run a command.
 
-File tools run in the harness process, so every path goes through
-``confine.resolve_in_workspace`` (realpath, then a containment check); commands go
-through ``confine.run_confined``. A ToolError is reported to the model as the tool's
-result, never raised out of the run: a bad path is the model's mistake, not the harness's.
+File tools run in the harness process (as root, in root mode), so every path is opened
+through ``beneath``: resolved by the kernel beneath the workspace's directory fd in one step
+(``openat2(RESOLVE_BENEATH)``), never checked first and opened later, so a symlink swapped in
+by a concurrent process cannot send a read or a write outside. Only regular files with a
+single link are read or written (a FIFO would block the harness, a hard link would alias a
+file outside). Commands go through ``confine.run_confined``. A ToolError is reported to the
+model as the tool's result, never raised out of the run: a bad path is the model's mistake.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import posixpath
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gyre_hpc.harness.confine import CommandResult, Limits, WorkspaceEscape, resolve_in_workspace, run_confined
+from gyre_hpc.harness import beneath
+from gyre_hpc.harness.confine import CommandResult, Limits, run_confined
 
 
 class ToolError(Exception):
@@ -28,46 +36,83 @@ class Workspace:
     def __post_init__(self) -> None:
         self.root = Path(self.root).resolve()
 
-    def _resolve(self, path: str) -> Path:
+    @contextlib.contextmanager
+    def _open(self, path: str, flags: int, create_parents: bool = False, missing: str = "no file"):
+        """An fd for ``path`` beneath the workspace; every refusal becomes a ToolError naming it."""
+        rel = path.strip()
+        if os.path.isabs(rel):
+            raise ToolError(f"path {path!r} is absolute: paths are relative to the workspace")
+        # Lexically first, as a shell would read ``a/../b``; the kernel still guards every step.
+        rel = posixpath.normpath(rel)
+        if rel.split("/")[0] == "..":
+            raise ToolError(f"path {path!r} leads outside the workspace")
+        root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = parent_fd = -1
         try:
-            return resolve_in_workspace(self.root, path.strip())
-        except WorkspaceEscape as exc:
-            raise ToolError(str(exc)) from None
+            if create_parents and posixpath.dirname(rel):
+                parent_fd = beneath.makedirs_beneath(root_fd, posixpath.dirname(rel))
+                fd = beneath.open_beneath(parent_fd, posixpath.basename(rel), flags)
+            else:
+                fd = beneath.open_beneath(root_fd, rel, flags)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.ELOOP):
+                raise ToolError(f"path {path!r} leads outside the workspace") from None
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise ToolError(f"{missing} {path!r} in the workspace") from None
+            if exc.errno == errno.EISDIR:
+                raise ToolError(f"{path!r} is a directory") from None
+            raise ToolError(f"cannot open {path!r}: {exc.strerror}") from None
+        finally:
+            os.close(root_fd)
+            if parent_fd >= 0:
+                os.close(parent_fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def read(self, path: str) -> bytes:
-        real = self._resolve(path)
-        if not real.is_file():
-            raise ToolError(f"no file {path!r} in the workspace")
-        with open(real, "rb") as f:
-            return f.read(self.max_read_bytes)
+        with self._open(path, os.O_RDONLY | os.O_NONBLOCK) as fd:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ToolError(f"no file {path!r} in the workspace")
+            if st.st_nlink > 1:
+                raise ToolError(f"{path!r} has other hard links; not read")
+            return os.read(fd, self.max_read_bytes)
 
     def write(self, path: str, data: bytes, append: bool = False) -> int:
-        real = self._resolve(path)
-        if real == self.root or real.is_dir():
+        if not path.strip() or posixpath.normpath(path.strip()) in (".", "/"):
             raise ToolError(f"{path!r} is a directory")
-        real.parent.mkdir(parents=True, exist_ok=True)
         limit = self.limits.file_size_mb * 1024 * 1024
-        size = real.stat().st_size if append and real.exists() else 0
-        if size + len(data) > limit:
-            raise ToolError(f"{path!r} would exceed the file size limit of {limit} bytes")
-        # O_NOFOLLOW: the resolved path has no symlink left; refuse one planted since.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
-        try:
-            fd = os.open(real, flags, 0o644)
-        except OSError as exc:
-            raise ToolError(f"cannot write {path!r}: {exc.strerror}") from None
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        # No O_TRUNC here: the size check and the type check come first, on the opened file.
+        with self._open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, create_parents=True) as fd:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ToolError(f"{path!r} is not a regular file")
+            if st.st_nlink > 1:
+                raise ToolError(f"{path!r} has other hard links; not written")
+            size = st.st_size if append else 0
+            if size + len(data) > limit:
+                raise ToolError(f"{path!r} would exceed the file size limit of {limit} bytes")
+            if append:
+                os.lseek(fd, 0, os.SEEK_END)
+            else:
+                os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         return len(data)
 
     def list(self, path: str = ".") -> list[str]:
         """Relative paths of files under ``path`` (sorted, capped); links are not followed."""
-        base = self._resolve(path or ".")
-        if not base.is_dir():
-            raise ToolError(f"no directory {path!r} in the workspace")
-        found: list[str] = []
-        for dirpath, _, filenames in os.walk(base):
-            found.extend(os.path.relpath(os.path.join(dirpath, name), self.root) for name in filenames)
+        path = path or "."
+        with self._open(path, os.O_RDONLY | os.O_DIRECTORY, missing="no directory") as fd:
+            prefix = posixpath.normpath(path.strip())
+            prefix = "" if prefix == "." else prefix + "/"
+            try:
+                found = [prefix + rel for rel, st, _, _ in beneath.walk(fd) if not stat.S_ISDIR(st.st_mode)]
+            except RuntimeError as exc:
+                raise ToolError(f"cannot list {path!r}: {exc}") from None
         return sorted(found)[: self.max_list_entries]
 
     def run(self, command: str, wall_s: float | None = None) -> CommandResult:

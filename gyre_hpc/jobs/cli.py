@@ -14,8 +14,13 @@ _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VAL
 
 
 def _load(config: str, overrides: tuple[str, ...]) -> RunConfig:
+    """The config, also checked against the workload's registries: refused before anything starts."""
+    from gyre_hpc.cells.preflight import check_workload_config
+
     try:
-        return load_config(config, list(overrides))
+        cfg = load_config(config, list(overrides))
+        check_workload_config(cfg)
+        return cfg
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -21,12 +21,15 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Mapping
 
 from gyre_hpc.jobs.plan import FleetPlan
+
+FLEET_GUARD = Path(__file__).with_name("fleet_guard.py")
 
 
 class LaunchError(RuntimeError):
@@ -102,7 +105,8 @@ def fleet_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _popen(command: list[str], log_path: Path | None, env: dict[str, str], cwd: Path | None) -> subprocess.Popen:
+def _popen(command: list[str], log_path: Path | None, env: dict[str, str], cwd: Path | None,
+           pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     out = subprocess.DEVNULL
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -110,19 +114,55 @@ def _popen(command: list[str], log_path: Path | None, env: dict[str, str], cwd: 
     try:
         # Own session: a kill reaches the launcher and everything it forked, nothing of ours.
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, start_new_session=True)
+                                env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds)
     finally:
         if out is not subprocess.DEVNULL:
             out.close()
+
+
+def _guarded_popen(command: list[str], log_path: Path | None, env: dict[str, str],
+                   cwd: Path | None) -> tuple[subprocess.Popen, int]:
+    """``command`` under ``fleet_guard``, which ends it when this process dies, however it dies.
+    Returns the process and the write end of the life pipe (kept open while the fleet runs)."""
+    life_read, life_write = os.pipe()   # non-inheritable: no other child of the head holds it
+    try:
+        # By file, stdlib only: works whatever PYTHONPATH the fleet is given.
+        guard = [sys.executable, "-I", str(FLEET_GUARD), str(life_read), "--", *command]
+        return _popen(guard, log_path, env, cwd, pass_fds=(life_read,)), life_write
+    except BaseException:
+        os.close(life_write)
+        raise
+    finally:
+        os.close(life_read)
 
 
 # --------------------------------------------------------------------------- local
 
 
 class LocalHandle(FleetHandle):
+    def __init__(self, proc, command, log_path, life_fd: int | None = None):
+        super().__init__(proc, command, log_path)
+        self._life_fd = life_fd   # closing it (or this process dying) ends the fleet
+
     @property
     def step_id(self) -> str | None:
         return None
+
+    def poll(self) -> int | None:
+        rc = super().poll()
+        if rc is not None:
+            self._close_life()
+        return rc
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = super().wait(timeout)
+        self._close_life()
+        return rc
+
+    def _close_life(self) -> None:
+        if self._life_fd is not None:
+            os.close(self._life_fd)
+            self._life_fd = None
 
     def kill(self, grace_s: float = 5.0) -> int:
         if self.proc.poll() is None:
@@ -164,7 +204,8 @@ class LocalLauncher(Launcher):
             run_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
             run_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         command = self.command(plan, argv)
-        return LocalHandle(_popen(command, log_path, run_env, cwd), command, log_path)
+        proc, life_fd = _guarded_popen(command, log_path, run_env, cwd)
+        return LocalHandle(proc, command, log_path, life_fd)
 
 
 # --------------------------------------------------------------------------- slurm

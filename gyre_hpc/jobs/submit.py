@@ -55,7 +55,7 @@ class HeadJob(Checkpointable):
         signal.signal(signal.SIGTERM, lambda signum, frame: sup.request_stop("SIGTERM", requeue=False))
         sup.log(f"submitit head: run dir {sup.run.root}, {sup.plan.world_size} ranks")
         result = sup.run_fleet()
-        if result.status == "failed":
+        if result.status in ("failed", "refused"):
             raise RuntimeError(result.message)
         return result.to_dict()
 

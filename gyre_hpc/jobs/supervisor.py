@@ -26,8 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gyre_hpc.config import RunConfig
+from gyre_hpc.cells.preflight import check_workload_config
+from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.jobs.launchers import FleetHandle, Launcher, LaunchError
+from gyre_hpc.jobs.ownership import HeadLock, RunDirInUse, check_rerun, live_fleet
 from gyre_hpc.jobs.plan import FleetPlan
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, read_table, recover_unclosed
@@ -40,7 +42,7 @@ TERM_WAIT_S = 2.0  # how long a SIGTERM'd head waits for the fleet before record
 
 @dataclass(frozen=True)
 class SupervisorResult:
-    status: str          # finished | requeued | stopped | failed
+    status: str          # finished | requeued | stopped | failed | refused (the directory is not ours)
     exit_code: int       # what the head process should exit with
     launches: int
     last_step: int | None
@@ -126,6 +128,43 @@ class Supervisor:
             flag.unlink()
 
     def run_fleet(self) -> SupervisorResult:
+        """Own the run directory (see ``ownership``) for as long as the fleet is supervised."""
+        try:
+            check_workload_config(self.cfg)
+        except ConfigError as exc:
+            return self._refuse(f"invalid config: {exc}")
+        try:
+            lock = HeadLock.acquire(self.run)
+        except RunDirInUse as exc:
+            return self._refuse(str(exc))
+        try:
+            alive = live_fleet(self.run)
+            if alive:
+                return self._refuse(f"an earlier fleet of {self.run.root} is still running: {'; '.join(alive)}; "
+                                    f"stop it (kill the pid / scancel the step) before starting a head here")
+            try:
+                check_rerun(self.run, self.cfg, self._stored_config())
+            except RunDirInUse as exc:
+                return self._refuse(str(exc))
+            return self._supervise()
+        finally:
+            lock.release()
+
+    def _stored_config(self) -> RunConfig | None:
+        if not self.run.config.exists():
+            return None
+        try:
+            return load_config(self.run.config)
+        except ConfigError as exc:
+            raise RunDirInUse(f"{self.run.config} (the config of the run this directory holds) no longer "
+                              f"loads, so a rerun cannot be checked against it: {exc}") from None
+
+    def _refuse(self, message: str) -> SupervisorResult:
+        """Nothing of the directory is touched: it may belong to someone else's live run."""
+        self.log(f"REFUSED: {message}")
+        return SupervisorResult("refused", 2, 0, None, message)
+
+    def _supervise(self) -> SupervisorResult:
         self.prepare()
         failures: list[str] = []
         while True:

@@ -42,11 +42,15 @@ RL_SUITES = {
 }
 
 
+def task_suite_names() -> list[str]:
+    """Every name ``rollout.tasks`` may take: the rl suites here and the harness's."""
+    return sorted(set(suite_names()) | set(RL_SUITES))
+
+
 def load_tasks(name: str) -> list[Task]:
     """``rollout.tasks``: an rl suite here or a harness suite."""
     if name in RL_SUITES:
         return RL_SUITES[name]()
     if name not in suite_names():
-        raise ValueError(f"rollout.tasks={name!r} is not a task suite; valid suites: "
-                         f"{', '.join(sorted(set(suite_names()) | set(RL_SUITES)))}")
+        raise ValueError(f"rollout.tasks={name!r} is not a task suite; valid suites: {', '.join(task_suite_names())}")
     return load_suite(name)

@@ -34,6 +34,11 @@ class RunDir:
         return self.root / "logs"
 
     @property
+    def head_lock(self) -> Path:
+        """Held (flock) by the one head that owns the directory; names it while held."""
+        return self.root / "head.lock"
+
+    @property
     def control(self) -> Path:
         """Files the supervisor drops to ask the fleet something (e.g. checkpoint and exit)."""
         return self.root / "control"

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre_hpc.harness.confine import (Limits, WorkspaceEscape, isolation_mode, resolve_in_workspace,
-                                      run_confined, sandbox_uid)
+from gyre_hpc.harness.confine import Limits, isolation_mode, run_confined, sandbox_uid
 from gyre_hpc.harness.tools import ToolError, Workspace
 
 needs_root = pytest.mark.skipif(isolation_mode() != "root",
@@ -98,7 +97,8 @@ def test_command_write_through_symlink_is_refused(ws):
         assert list(outside.iterdir()) == []
         assert not (ws.parent / "escaped.txt").exists()
         assert not Path("/var/tmp/escaped-gyre.txt").exists()
-        assert r.output.count(b"Read-only file system") == 3
+        # refused: read-only where the path exists in the jail, absent where it does not
+        assert r.output.count(b"Read-only file system") + r.output.count(b"Directory nonexistent") == 3
     finally:
         shutil.rmtree(outside)
 
@@ -117,7 +117,7 @@ def test_file_tools_refuse_dotdot_absolute_and_symlink(ws):
     os.symlink(outside, ws / "link")
     tools = Workspace(ws)
     for bad in ("../secret.txt", str(outside), "link", "sub/../../secret.txt"):
-        with pytest.raises(ToolError, match="outside the workspace|absolute"):
+        with pytest.raises(ToolError, match="leads outside the workspace|absolute"):
             tools.read(bad)
     with pytest.raises(ToolError):
         tools.write("../pwned.txt", b"x")
@@ -125,9 +125,11 @@ def test_file_tools_refuse_dotdot_absolute_and_symlink(ws):
         tools.write("link", b"x")
     assert outside.read_text() == "secret"
     assert not (ws.parent / "pwned.txt").exists()
-    with pytest.raises(WorkspaceEscape):
-        resolve_in_workspace(ws, "..")
-    assert resolve_in_workspace(ws, "a/../hello.txt") == (ws / "hello.txt").resolve()
+    with pytest.raises(ToolError, match="outside"):
+        tools.list("..")
+    assert tools.read("a/../hello.txt") == b"hi\n"
+    os.symlink("hello.txt", ws / "inner")     # a link that stays inside still works
+    assert tools.read("inner") == b"hi\n"
 
 
 def test_parent_environment_secret_is_not_visible(ws, monkeypatch):
@@ -218,7 +220,7 @@ def test_non_root_user_gets_the_jail_through_a_user_namespace(tmp_path):
             pytest.skip(f"this kernel gives no user namespaces to unprivileged users: {out.stdout}{out.stderr}")
         assert "65534" in out.stdout.splitlines()[1]
         assert (ws / "in.txt").read_text() == "a\n"
-        assert out.stdout.count("Read-only file system") == 2, out.stdout
+        assert out.stdout.count("Read-only file system") + out.stdout.count("Directory nonexistent") == 2, out.stdout
         assert not (base / "esc.txt").exists() and list(open_dir.iterdir()) == []
         assert "remount -1" in out.stdout      # capabilities are gone after exec
         assert _procs_running(b"sleep\x00303") == []   # the PID namespace took the background sleeps
@@ -229,6 +231,245 @@ def test_non_root_user_gets_the_jail_through_a_user_namespace(tmp_path):
 
 def test_command_that_closes_its_output_still_meets_the_wall_clock(ws):
     t0 = time.monotonic()
-    r = run_confined("exec >/dev/null 2>&1; sleep 100", ws, Limits(wall_s=1.0))
+    secs = 100 + int.from_bytes(os.urandom(2), "little")   # unique: other checkouts run this test too
+    r = run_confined(f"exec >/dev/null 2>&1; sleep {secs}", ws, Limits(wall_s=1.0))
     assert r.timed_out and time.monotonic() - t0 < 5
-    assert _procs_running(b"sleep\x00100") == []
+    assert _procs_running(b"sleep\x00%d" % secs) == []
+
+
+needs_jail = pytest.mark.skipif(isolation_mode() == "plain",
+                                reason="no namespaces for this user: plain mode cannot bound a setsid leftover")
+
+
+@needs_jail
+def test_a_pid1_that_calls_setsid_dies_at_the_wall_clock(ws):
+    beat = ws / "beat"
+    r = run_confined("exec python3 -c \"import os, time\nos.setsid()\nwhile True:\n"
+                     "    open('beat', 'a').write('x')\n    time.sleep(0.05)\"", ws, Limits(wall_s=1.0))
+    assert r.timed_out
+    time.sleep(0.5)
+    size = beat.stat().st_size
+    time.sleep(1.0)
+    assert beat.stat().st_size == size      # nothing of the jail writes any more
+    if isolation_mode() == "root":
+        assert _procs_of_uid(sandbox_uid(ws)) == []
+
+
+@needs_jail
+def test_double_fork_new_session_leftovers_die_with_the_jail(ws):
+    r = run_confined("python3 -c \"import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                     "        os.execvp('sleep', ['sleep', '3181'])\n    os._exit(0)\nos.wait()\"; exit 0", ws, Limits(wall_s=5.0))
+    assert r.ok
+    assert _procs_running(b"sleep\x003181") == []
+
+
+def _unix_server(path: Path):
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    os.chmod(path, 0o777)
+    s.listen(4)
+    return s
+
+
+@needs_jail
+def test_no_host_unix_socket_abstract_socket_or_ipc_segment_is_reachable(ws):
+    import ctypes
+    import socket
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-sock-"))
+    base.chmod(0o755)
+    path_srv = _unix_server(base / "s")
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    abstract.bind(b"\0gyre-test-abstract-%d" % os.getpid())
+    abstract.listen(4)
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x6779_0000 + os.getpid() % 0xFFFF
+    own_key = 0x5E00_0000 + int.from_bytes(os.urandom(2), "little")
+    host_seg = libc.shmget(key, 4096, 0o1666)     # IPC_CREAT | 0666: any uid could attach it
+    assert host_seg >= 0
+    try:
+        probe = ("import socket\nfor a in (%r, %r, '/run/munge/munge.socket.2'):\n"
+                 "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(a)\n        print('REACHED', a)\n"
+                 "    except OSError as e:\n        print('refused', e.errno)\n"
+                 "import ctypes\nlibc = ctypes.CDLL(None)\nprint('host segment', libc.shmget(%d, 0, 0))\n"
+                 "print('own segment', libc.shmget(%d, 4096, 0o1600))\n"
+                 % (str(base / "s"), "\0gyre-test-abstract-%d" % os.getpid(), key, own_key))
+        (ws / "probe.py").write_text(probe)
+        r = run_confined("python3 probe.py", ws)
+        assert b"REACHED" not in r.output and r.output.count(b"refused") == 3, r.output
+        assert b"host segment -1" in r.output
+        assert b"own segment -1" not in r.output
+        # the jail's segment went with its IPC namespace
+        host_keys = [int(line.split()[0]) for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+        assert key in host_keys and own_key not in host_keys
+    finally:
+        libc.shmctl(host_seg, 0, None)           # IPC_RMID
+        path_srv.close()
+        abstract.close()
+        shutil.rmtree(base)
+
+
+@needs_jail
+def test_sibling_workspaces_and_journals_are_not_visible(tmp_path):
+    run = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-run-"))
+    try:
+        run.chmod(0o755)
+        (run / "workspaces" / "a").mkdir(parents=True)
+        (run / "workspaces" / "b").mkdir(parents=True)
+        (run / "workspaces" / "b" / "solution.py").write_text("SECRET = 1\n")
+        (run / "journals").mkdir()
+        (run / "journals" / "b.jsonl").write_text("{}\n")
+        for d in (run, run / "workspaces", run / "workspaces" / "b", run / "journals"):
+            d.chmod(0o755)
+        r = run_confined(f"cat {run}/workspaces/b/solution.py {run}/journals/b.jsonl ../b/solution.py; "
+                         f"ls {run} /run /var/run /tmp /home /root 2>&1; true", run / "workspaces" / "a")
+        assert b"SECRET" not in r.output and b"{}" not in r.output and b"munge" not in r.output, r.output
+        assert r.output.count(b"No such file or directory") == 8   # 3 files, 5 directories
+    finally:
+        shutil.rmtree(run)
+
+
+@needs_root
+def test_a_non_ascii_mount_point_stays_read_only(ws):
+    import subprocess as sp
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-mnt-ü x-"))
+    mnt = base / "naïve mount"
+    mnt.mkdir()
+    assert sp.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", str(mnt)]).returncode == 0
+    try:
+        r = run_confined(f"echo pwned > '{mnt}/f'; ls -d '{mnt}'", ws, Limits(host_paths=Limits().host_paths + (str(base),)))
+        assert not (mnt / "f").exists(), r.output
+        assert str(mnt).encode() in r.output             # it was visible, and read-only
+    finally:
+        sp.run(["umount", str(mnt)])
+        shutil.rmtree(base)
+
+
+def test_mountinfo_escapes_and_non_ascii_are_decoded():
+    from gyre_hpc.harness.sandbox_exec import mounts_beneath, parse_mountinfo
+    line = ("36 25 0:30 / /var/tmp/gyre-\u00fc\\040x/na\u00efve\\011tab rw,nosuid,relatime shared:1 - tmpfs tmpfs rw\n"
+            "37 25 0:31 / /back\\134slash\\012nl ro,nodev - tmpfs tmpfs rw\n"
+            "38 25 0:32 / /tmp/hidden rw - tmpfs tmpfs rw\n"         # under the old root's /tmp
+            "40 25 0:33 / /tmp rw - tmpfs tmpfs rw\n"                # the new root
+            "41 40 0:34 / /tmp/usr ro - ext4 /dev/vda ro\n"
+            "42 41 0:35 / /tmp/usr/\u00fcber rw,nodev - tmpfs tmpfs rw\n").encode()
+    parsed = parse_mountinfo(line)
+    (_, _, p1, f1), (_, _, p2, f2) = parsed[:2]
+    assert p1 == "/var/tmp/gyre-\u00fc x/na\u00efve\ttab" and p2 == "/back\\slash\nnl"
+    assert f1 == 2 | 2097152 and f2 == 4 | 1        # nosuid|relatime; nodev|rdonly kept as they were
+    assert mounts_beneath(parsed, "/tmp") == [("/", 0), ("/usr", 1), ("/usr/\u00fcber", 4)]
+
+
+_ATTACKS_AS_USER = r'''
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from gyre_hpc.harness.confine import Limits, isolation_mode, run_confined
+from gyre_hpc.harness.tasks import Task, TaskTest, check_workspace
+from gyre_hpc.harness.tools import ToolError, Workspace
+base = sys.argv[2]
+ws = os.path.join(base, "ws")
+print("mode", isolation_mode())
+r = run_confined("exec python3 -c \"import os, time\nos.setsid()\nwhile True:\n    open('beat', 'a').write('x')\n"
+                 "    time.sleep(0.05)\"", ws, Limits(wall_s=1.0))
+time.sleep(0.5)
+size = os.path.getsize(os.path.join(ws, "beat"))
+time.sleep(1.0)
+print("setsid", r.timed_out, os.path.getsize(os.path.join(ws, "beat")) == size)
+r = run_confined("python3 -c \"import socket\nfor a in ('%s/s', '/run/munge/munge.socket.2'):\n"
+                 "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(a); print('REACHED', a)\n"
+                 "    except OSError: print('refused')\"; cat %s/sibling/secret.txt" % (base, base), ws)
+sys.stdout.write(r.output.decode())
+task = Task("add", "s", tests=(TaskTest("add", "import mathx\nassert mathx.add(2, 3) == 5"),))
+open(os.path.join(ws, "mathx.py"), "w").write("import json, os, sys\nm = sys.modules['__main__']\n"
+    "m.results.write(m.NONCE + json.dumps(['add', True, '']) + '\\n') if hasattr(m, 'NONCE') else None\nos._exit(0)\n")
+print("forged score", check_workspace(task, ws).score)
+try:
+    Workspace(ws).read("out_link")
+    print("READ OUTSIDE")
+except ToolError:
+    print("link blocked")
+'''
+
+
+@needs_root
+def test_the_attacks_hold_when_the_harness_runs_as_an_unprivileged_user():
+    """Re-run the new attacks with the harness itself as nobody (as on a cluster): the jail is
+    then built in a user namespace, and must hold the same."""
+    if not (Path("/usr/bin/python3").exists() and shutil.which("setpriv")):
+        pytest.skip("needs /usr/bin/python3 and setpriv to act as an unprivileged user")
+    import socket
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-userns-attacks-"))
+    try:
+        base.chmod(0o755)
+        (base / "ws").mkdir()
+        os.chown(base / "ws", 65534, 65534)
+        (base / "sibling").mkdir()
+        (base / "sibling" / "secret.txt").write_text("SIBLING-SECRET")
+        (base / "sibling" / "secret.txt").chmod(0o644)
+        os.symlink(base / "sibling" / "secret.txt", base / "ws" / "out_link")
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(str(base / "s"))
+        os.chmod(base / "s", 0o777)
+        srv.listen(2)
+        repo = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              "/usr/bin/python3", "-I", "-c", _ATTACKS_AS_USER, str(repo), str(base)],
+                             capture_output=True, text=True, timeout=120)
+        srv.close()
+        if "mode userns" not in out.stdout:
+            pytest.skip(f"this kernel gives no user namespaces to unprivileged users: {out.stdout}{out.stderr}")
+        assert "setsid True True" in out.stdout, out.stdout + out.stderr
+        assert "REACHED" not in out.stdout and out.stdout.count("refused") == 2, out.stdout
+        assert "SIBLING-SECRET" not in out.stdout
+        assert "forged score 0.0" in out.stdout, out.stdout + out.stderr
+        assert "link blocked" in out.stdout
+    finally:
+        shutil.rmtree(base)
+
+
+def test_host_paths_that_would_undo_the_jail_are_refused():
+    for bad in ("/", "/tmp", "/tmp/x", "/proc", "/dev/shm", "usr"):
+        with pytest.raises(ValueError, match="Limits.host_paths"):
+            Limits(host_paths=("/usr", bad))
+    assert Limits(host_paths=("/usr", "/opt/python")).host_paths == ("/usr", "/opt/python")
+
+
+_FAIL_CLOSED_AS_USER = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+from gyre_hpc.harness.confine import Limits, isolation_mode, run_confined
+print("mode", isolation_mode())
+r = run_confined("echo RAN", sys.argv[2], Limits(host_paths=Limits().host_paths + (sys.argv[3],)))
+print("rc", r.returncode)
+sys.stdout.write(r.output.decode())
+'''
+
+
+@needs_root
+def test_a_mount_that_cannot_be_made_read_only_fails_the_jail_closed():
+    """As nobody, a mount under a root-only directory cannot be reached to remount it read-only
+    (no DAC override for an unmapped owner): the jail must refuse to run, not run writable."""
+    import subprocess as sp
+    if not (Path("/usr/bin/python3").exists() and shutil.which("setpriv")):
+        pytest.skip("needs /usr/bin/python3 and setpriv to act as an unprivileged user")
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="gyre-closed-"))
+    mnt = base / "exposed" / "priv" / "mnt"
+    mnt.mkdir(parents=True)
+    for d in (base, base / "exposed"):
+        d.chmod(0o755)
+    (base / "exposed" / "priv").chmod(0o700)
+    (base / "ws").mkdir()
+    os.chown(base / "ws", 65534, 65534)
+    assert sp.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", str(mnt)]).returncode == 0
+    try:
+        repo = Path(__file__).resolve().parents[2]
+        out = sp.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                      "-c", _FAIL_CLOSED_AS_USER, str(repo), str(base / "ws"), str(base / "exposed")],
+                     capture_output=True, text=True, timeout=60)
+        if "mode userns" not in out.stdout:
+            pytest.skip(f"this kernel gives no user namespaces to unprivileged users: {out.stdout}{out.stderr}")
+        assert "rc 125" in out.stdout and "jail setup failed" in out.stdout, out.stdout + out.stderr
+        assert "RAN" not in out.stdout
+    finally:
+        sp.run(["umount", str(mnt)])
+        shutil.rmtree(base)

@@ -60,3 +60,18 @@ def test_too_few_nodes_for_the_cells_fails_before_launch():
     cfg = build_config({"cells": {"count": 5}, "launcher": "slurm"})
     with pytest.raises(ConfigError, match="needs 5 nodes, the cluster has 4"):
         plan_for_environment(cfg, {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "c[1-4]"}, expand=_expand)
+
+
+@pytest.mark.parametrize("override,named", [
+    ("rollout.tasks=nope", "rollout.tasks='nope' is not a task suite; valid suites: builtin, easy"),
+    ("model.preset=huge", "model.preset='huge' is unknown; valid presets: small, tiny"),
+    ("scheduler.elastic={fil: 0.5}", "scheduler.elastic: policy 'elastic' has no parameter fil; valid parameters:"),
+])
+def test_unknown_suite_preset_or_scheduler_key_is_refused_before_any_launch(tmp_path, capsys, override, named):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"workload: rl\nrun_dir: {tmp_path / 'run'}\ncells:\n  count: 1\n")
+    rc = main([str(cfg), "--set", override])
+    out = capsys.readouterr()
+    assert rc == 2
+    assert named in out.out + out.err
+    assert not (tmp_path / "run" / "logs").exists()    # no fleet was launched

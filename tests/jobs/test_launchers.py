@@ -182,3 +182,46 @@ def test_srun_that_outlives_its_step_is_killed_not_waited_on(tmp_path):
         time.sleep(0.2)
         rc = handle.poll()
     assert rc == 137 and handle.orphaned
+
+
+_HEAD_THAT_DIES = r'''
+import sys, time
+from gyre_hpc.config import build_config
+from gyre_hpc.jobs.launchers import LocalLauncher
+from gyre_hpc.jobs.plan import local_plan
+cfg = build_config({"cells": {"count": 1}})
+h = LocalLauncher().launch(local_plan(cfg), [sys.executable, sys.argv[1], sys.argv[2], "--sleep", "300"],
+                           log_path=sys.argv[3])
+print(h.pid, flush=True)
+time.sleep(300)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.mpi
+def test_a_sigkilled_head_takes_its_local_fleet_along(tmp_path):
+    out = tmp_path / "probe"
+    head = subprocess.Popen([sys.executable, "-c", _HEAD_THAT_DIES, PROBE, str(out), str(tmp_path / "fleet.log")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        guard_pid = int(head.stdout.readline())
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("sleeping-*"))) < 2:
+            assert time.monotonic() < deadline, (tmp_path / "fleet.log").read_text()
+            time.sleep(0.1)
+        ranks = [json.loads(p.read_text())["pid"] for p in out.glob("rank-*.json")]
+        assert all(_alive(p) for p in ranks + [guard_pid])
+        head.kill()       # SIGKILL: no handler runs in the head
+        head.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in ranks + [guard_pid]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks + [guard_pid] if _alive(p)]
+    finally:
+        head.kill()

@@ -1,9 +1,10 @@
 """What a task is: the text the model sees, the files it starts from, the tests that score it."""
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gyre_hpc.harness.beneath import remove_tree
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Task:
         """Reset ``workspace`` to the task's initial files (a replayed run starts from here too)."""
         ws = Path(workspace)
         if ws.exists():
-            shutil.rmtree(ws)
+            remove_tree(ws)  # iterative: a model-built 3,000-deep chain must not crash the reset
         ws.mkdir(parents=True)
         for rel, text in self.files.items():
             p = ws / rel
