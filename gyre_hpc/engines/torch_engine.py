@@ -68,7 +68,7 @@ class TorchEngine(EngineBookkeeping, Engine):
         self._version = version
         cfg = model.config
         dtype = next(model.parameters()).dtype
-        self._layout = KVLayout(cfg.n_layers, cfg.n_heads, cfg.head_dim, str(dtype).removeprefix("torch."))
+        self._layout = KVLayout(cfg.n_layers, cfg.kv_heads, cfg.dh, str(dtype).removeprefix("torch."))
         self._device = next(model.parameters()).device
         self._seed_source = torch.Generator().manual_seed(seed)
         self._queue: deque[_Sequence] = deque()
