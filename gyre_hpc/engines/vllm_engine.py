@@ -107,9 +107,15 @@ class VLLMEngine(EngineBookkeeping, Engine):
         # On CPU, torch.compile warm-up takes minutes per engine (measured: 87 s for a tiny
         # model on 2 cores, 0.15 s eager) and rollout engines are started on every flip.
         llm_kwargs.setdefault("enforce_eager", current_platform.is_cpu())
-        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enable_prefix_caching=True, seed=seed,
-                       dtype=dtype, max_model_len=max_model_len or min(cfg.max_position, 32768),
-                       max_num_seqs=max_num_seqs, enable_sleep_mode=enable_sleep_mode, **llm_kwargs)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
+        # (it binds its own OpenMP threads); the trainer and other engines in this process keep theirs.
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enable_prefix_caching=True, seed=seed,
+                           dtype=dtype, max_model_len=max_model_len or min(cfg.max_position, 32768),
+                           max_num_seqs=max_num_seqs, enable_sleep_mode=enable_sleep_mode, **llm_kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
         self._engine = self.llm.llm_engine
         self._layout = KVLayout(cfg.n_layers, cfg.kv_heads, cfg.dh, dtype)
         self._vocab = cfg.vocab_size
