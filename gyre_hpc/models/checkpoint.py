@@ -93,6 +93,11 @@ def save_pretrained(model: CausalLM, directory: str | Path, extra: dict | None =
         config["gyre"] = extra
     # Everything else first, config last: a directory with a config is a complete checkpoint.
     save_file(state, str(d / WEIGHTS_FILE), metadata={"format": "pt"})
+    # A one-shard index: vLLM loads every *.safetensors in the folder unless an index names
+    # the weight files, and checkpoints keep other safetensors beside the model (optimizer state).
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": {name: WEIGHTS_FILE for name in sorted(state)}}
+    (d / WEIGHTS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     tokenizer.save(d)
     generation = {"eos_token_id": list(tokenizer.stop_ids()[:2]), "pad_token_id": tokenizer.pad_id,
                   "do_sample": True, "temperature": 1.0, "top_p": 1.0}
