@@ -70,10 +70,10 @@ def checkpoint_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]
     """Names and shapes of a checkpoint's tensors, read from the safetensors headers only."""
     from safetensors import safe_open
 
-    from gyre_hpc.models.checkpoint import _weight_files
+    from gyre_hpc.models.checkpoint import weight_files
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for path in _weight_files(Path(model_dir)):
+    for path in weight_files(Path(model_dir)):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gyre_hpc.models.decoder import CausalLM, LMConfig
+from gyre_hpc.models.jsonfile import read_json_object
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
 
 CONFIG_FILE = "config.json"
@@ -107,13 +108,7 @@ def save_pretrained(model: CausalLM, directory: str | Path, extra: dict | None =
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: top level must be an object, got {type(raw).__name__}")
-    return raw
+    return read_json_object(path, CheckpointError)
 
 
 def _rope(raw: dict, path: Path) -> tuple[float, tuple | None]:
@@ -175,7 +170,8 @@ def read_config(directory: str | Path) -> LMConfig:
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def _weight_files(d: Path) -> list[Path]:
+def weight_files(d: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, else the one model file."""
     index = d / WEIGHTS_INDEX_FILE
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
@@ -189,7 +185,7 @@ def read_state(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors (one file or the shards of an index)."""
     d = Path(directory)
     state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(d):
+    for path in weight_files(d):
         if not path.is_file():
             raise CheckpointError(f"checkpoint {d}: {path} does not exist")
         try:

@@ -20,6 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from gyre_hpc.models.jsonfile import read_json_object
+
 EMBEDDED_FILE = Path(__file__).with_name("embedded_tokenizer.json")
 EMBEDDED_VOCAB_SIZE = 512
 # Order fixes the ids 0..6 of the embedded vocabulary.
@@ -158,10 +160,7 @@ def load_tokenizer(directory: str | Path) -> ChatTokenizer:
     cfg_path = d / TOKENIZER_CONFIG_FILE
     if not cfg_path.is_file():
         raise TokenizerError(f"checkpoint {d}: {cfg_path} does not exist (a checkpoint brings its tokenizer)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TokenizerError(f"{cfg_path} is not valid JSON: {exc}") from None
+    cfg = read_json_object(cfg_path, TokenizerError)
     backend = _backend_from_file(d / TOKENIZER_FILE)
     template = cfg.get("chat_template")
     if isinstance(template, list):  # HF's list form: [{"name": "default", "template": ...}, ...]

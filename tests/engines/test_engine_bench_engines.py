@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_reports_rates_ratios_and_token_identity_for_every_case():
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "gyre_hpc.cli", "bench", "engines", "--json", "--preset", "tiny",
+    gyre = str(Path(sys.executable).with_name("gyre-hpc"))
+    proc = subprocess.run([gyre, "bench", "engines", "--json", "--preset", "tiny",
                            "--scale", "0.05", "--cases", "a_1x256+256,b_16x512+128,c_prefill_4k", "--repeats", "1"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
