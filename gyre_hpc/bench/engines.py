@@ -10,7 +10,9 @@ VLLMEngine / raw vLLM (the adapter's overhead: 1 - ratio) and VLLMEngine / Torch
 whether the three produced the same tokens. Raw vLLM runs on the adapter's own ``LLM`` (same
 weights, same warm state) with the same sampling work (``logprobs=0``, no detokenising), and
 the prefix cache is reset before every timed run so no run is served by an earlier one.
-Each figure is the best of ``--repeats`` runs (noise on a shared machine only slows a run).
+Each figure is the best of ``--repeats`` runs, the order of the three rotating from run to
+run (noise on a shared machine only slows a run; measured: the adapter's own Python costs
+~0.04 ms of a 2-3 ms decode step, so run-to-run noise dominates the overhead figure).
 """
 from __future__ import annotations
 
@@ -85,10 +87,12 @@ def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int) -
             counted = streams * (prompt_len if new == 1 else new)
             best = {"torch": float("inf"), "vllm_engine": float("inf"), "vllm_raw": float("inf")}
             tokens = {}
-            for _ in range(repeats):
-                for key, fn in (("vllm_raw", lambda: _run_raw(llm, prompts, new)),
-                                ("vllm_engine", lambda: _run_engine(vllm_engine, prompts, new)),
-                                ("torch", lambda: _run_engine(torch_engine, prompts, new))):
+            runners = [("vllm_raw", lambda: _run_raw(llm, prompts, new)),
+                       ("vllm_engine", lambda: _run_engine(vllm_engine, prompts, new)),
+                       ("torch", lambda: _run_engine(torch_engine, prompts, new))]
+            for r in range(repeats):
+                # The order rotates so no engine always runs first (after the case's setup).
+                for key, fn in runners[r % 3:] + runners[:r % 3]:
                     llm.reset_prefix_cache()
                     wall, toks = fn()
                     best[key] = min(best[key], wall)
@@ -119,7 +123,7 @@ def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int) -
               help="comma-separated subset of the cases")
 @click.option("--scale", default=1.0, show_default=True, type=click.FloatRange(0.001, 1.0),
               help="multiply every token count (for a quick look; contract figures need 1.0)")
-@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 20))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20))
 def command(as_json: bool, preset: str, case_names: str, scale: float, repeats: int) -> None:
     """TorchEngine vs VLLMEngine vs raw vLLM: tokens/s and the adapter's overhead."""
     from gyre_hpc.bench import emit
