@@ -54,8 +54,8 @@ class LMConfig:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 2
-    n_kv_heads: int | None = None        # None: as many as n_heads (no GQA)
-    head_dim: int | None = None          # None: d_model // n_heads (Qwen3 states it apart)
+    n_kv_heads: int | None = None        # None: as many as n_heads (no GQA); resolved to an int
+    head_dim: int | None = None          # None: d_model // n_heads (Qwen3 states it apart); resolved to an int
     d_ff: int = 172
     max_position: int = 32768
     rope_theta: float = 10000.0
@@ -77,6 +77,11 @@ class LMConfig:
             raise ValueError(f"LMConfig.family={self.family!r} is unknown: valid families are {', '.join(FAMILIES)}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"LMConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        # Resolved here so every reader sees ints (``cfg.head_dim``, ``cfg.n_kv_heads``).
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.n_heads % self.kv_heads:
             raise ValueError(f"LMConfig.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}")
         if self.dh % 2:
@@ -84,12 +89,12 @@ class LMConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        return self.n_kv_heads
 
     @property
     def dh(self) -> int:
-        """The head size (``head_dim`` is the configured value, possibly None)."""
-        return self.head_dim or self.d_model // self.n_heads
+        """The head size (same as ``head_dim``)."""
+        return self.head_dim
 
 
 # Head size 32: vLLM's CPU attention backend refuses smaller heads (16 fails at the first forward).
