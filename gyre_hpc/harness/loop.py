@@ -1,18 +1,18 @@
 """The agent loop: one run of one task, a coroutine over a workspace, journaled call by call.
 
-Context layout (token ids, see tokenizer.py):
-    intro   = BOS "<system text>" ENV "<task spec>"
-    context = intro AGENT                        the first prompt
-    next    = context <output> ENV "<tool result>" AGENT
+Context layout (token ids, built with the tokenizer's chat template, see tokenizer.py):
+    intro   = system message, user message (the task spec)
+    context = intro <assistant generation prompt>                      the first prompt
+    next    = context <output> <end of turn> <tool result turn> <generation prompt>
 so each prompt extends the previous prompt+output and the calls of one context share one
 path in the trajectory tree. Three things start a new branch instead:
 - compression: when ``len(context) + max_new_tokens + len(summary request)`` passes
-  ``context_limit``, a ``summary`` call sees ``context ENV "summarize..." AGENT`` and the
-  context restarts as ``intro ENV "summary: " <summary bytes> AGENT``;
+  ``context_limit``, a ``summary`` call sees the context with a user turn "summarize..."
+  and the context restarts as ``intro`` + a user turn "summary: <summary text>";
 - retry: when the main agent finishes and the tests do not all pass, the context restarts
   from its anchor (the intro, or the last compressed context) plus the test report, at most
   ``max_retries`` times; the workspace keeps its files (the retry sees the report);
-- delegation: ``<call>d<subtask><end>`` runs a sub-agent with its own intro (role
+- delegation: a ``delegate`` call runs a sub-agent with its own intro (role
   ``subagent``, agent ``sub<k>``) over the same workspace for ``subagent_turns`` calls;
   its finish message (or "turn budget spent") is the tool result the parent sees.
 The run ends with status ``finished`` (finish with a pass, retries spent, or turns spent),
@@ -37,16 +37,16 @@ from gyre_hpc.harness.client import Completion, ModelClient
 from gyre_hpc.harness.confine import Limits
 from gyre_hpc.harness.journal import JournalState, JournalWriter, load_journal
 from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
-from gyre_hpc.harness.tokenizer import AGENT, BOS, END, ENV, EOS, encode, split_bytes
+from gyre_hpc.harness.tokenizer import ChatFormat, truncate_utf8
 from gyre_hpc.harness.tools import ToolError, Workspace
+from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
 from gyre_hpc.trees.model import ModelCall
 
 # Short on purpose: a tiny model pays for every prompt token at each call.
-SYSTEM_TEXT = ("One tool call per turn: r read, w write, l list, x run, t test, d delegate, f finish. "
+SYSTEM_TEXT = ("One tool call per turn: read, write, list, exec, test, delegate, finish. "
                "Plain text goes to the answer file.")
-SUBAGENT_TEXT = "Sub-agent: do the subtask, then f."
+SUBAGENT_TEXT = "Sub-agent: do the subtask, then finish."
 SUMMARY_REQUEST = "Summarize your progress."
-STOP_IDS = (END, EOS)
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,13 @@ class AgentRun:
     """One run; ``await AgentRun(...).run()``. Not reusable: make one per run."""
 
     def __init__(self, task: Task, workspace: str | Path, client: ModelClient, journal_path: str | Path,
-                 cfg: HarnessConfig = HarnessConfig(), run_id: str = "run") -> None:
+                 cfg: HarnessConfig = HarnessConfig(), run_id: str = "run",
+                 tokenizer: ChatTokenizer | None = None) -> None:
         self.task, self.client, self.cfg, self.run_id = task, client, cfg, run_id
+        # The policy's own tokenizer (a checkpoint brings one); the embedded default otherwise.
+        self.tokenizer = tokenizer or embedded_tokenizer()
+        self.chat = ChatFormat(self.tokenizer)
+        self.gen = self.chat.generation_prompt()
         self.workspace_path = Path(workspace)
         self.journal_path = Path(journal_path)
         intro = self._intro(SYSTEM_TEXT, task.spec)
@@ -117,19 +122,21 @@ class AgentRun:
                 f"header is {len(intro)} tokens, plus max_new_tokens={cfg.max_new_tokens} and the summary request")
 
     # ---- context pieces -------------------------------------------------------------
-    @staticmethod
-    def _intro(system: str, *env_texts: str) -> list[int]:
-        ids = [BOS] + encode(system)
-        for text in env_texts:
-            ids += [ENV] + encode(text)
+    def _intro(self, system: str, *user_texts: str) -> list[int]:
+        ids = self.chat.message("system", system)
+        for text in user_texts:
+            ids += self.chat.message("user", text)
         return ids
 
+    def _summary_request(self) -> list[int]:
+        return self.chat.message("user", SUMMARY_REQUEST) + self.gen
+
     def _summary_budget(self, intro: list[int]) -> int:
-        overhead = len(encode(SUMMARY_REQUEST)) + 2 + len(encode("summary: ")) + 2
+        overhead = len(self._summary_request()) + len(self.chat.message("user", "summary: ")) + len(self.gen)
         return self.cfg.context_limit - self.cfg.max_new_tokens - overhead - len(intro)
 
     def _needs_compression(self, context: list[int]) -> bool:
-        return len(context) + self.cfg.max_new_tokens + len(encode(SUMMARY_REQUEST)) + 2 > self.cfg.context_limit
+        return len(context) + self.cfg.max_new_tokens + len(self._summary_request()) > self.cfg.context_limit
 
     # ---- the run --------------------------------------------------------------------
     async def run(self, resume: bool = True) -> RunResult:
@@ -192,7 +199,8 @@ class AgentRun:
             self.calls.append(rec)
             return comp
         try:
-            comp = await asyncio.wait_for(self.client.complete(prompt, self.cfg.max_new_tokens, STOP_IDS), remaining)
+            comp = await asyncio.wait_for(self.client.complete(prompt, self.cfg.max_new_tokens, self.chat.stop_ids()),
+                                          remaining)
         except asyncio.TimeoutError:
             raise RunTimeout() from None
         call = ModelCall(prompt, comp.output, comp.logprobs, role=role, agent=agent,
@@ -202,32 +210,35 @@ class AgentRun:
         return comp
 
     async def _compress(self, context: list[int], intro: list[int], agent: str) -> list[int]:
-        comp = await self._call(context + [ENV] + encode(SUMMARY_REQUEST) + [AGENT], "summary", agent)
+        base = context[:-len(self.gen)]   # the context without its open assistant turn
+        comp = await self._call(base + self._summary_request(), "summary", agent)
         self.compressions += 1
-        summary = split_bytes(comp.output)[: max(self._summary_budget(intro), 0)]
-        return intro + [ENV] + encode("summary: ") + list(summary) + [AGENT]
+        kept = self.tokenizer.encode(self.chat.text(comp.output))[: max(self._summary_budget(intro), 0)]
+        return intro + self.chat.message("user", "summary: " + self.chat.text(kept)) + self.gen
 
     async def _agent(self, agent: str, role: str, intro: list[int], max_turns: int) -> str:
         """Run one agent's turns; returns its finish message (what a parent sees)."""
-        anchor = intro + [AGENT]
+        anchor = intro + self.gen
         context = list(anchor)
         for _ in range(max_turns):
             if self._needs_compression(context):
                 context = anchor = await self._compress(context, intro, agent)
             comp = await self._call(context, role, agent)
-            action = parse_action(comp.output)
+            action = parse_action(comp.output, self.tokenizer)
             result, finished = await self._execute(action, agent)
             if finished and agent == "main":
                 report = await self._check()
                 if report.score < 1.0 and self.retries < self.cfg.max_retries:
                     self.retries += 1
-                    context = anchor[:-1] + [ENV] + encode(f"retry {self.retries}: " + report.summary()) + [AGENT]
+                    context = (anchor[:-len(self.gen)] + self.chat.message("user", f"retry {self.retries}: "
+                                                                           + report.summary()) + self.gen)
                     continue
                 return result
             if finished:
                 return result
-            shown = encode(result)[: self.cfg.tool_output_bytes]
-            context = context + list(comp.output) + [ENV] + shown + [AGENT]
+            shown = truncate_utf8(result, self.cfg.tool_output_bytes)
+            context = (context + list(comp.output) + self.chat.end_of_turn(comp.output)
+                       + self.chat.tool_result(shown) + self.gen)
         return "turn budget spent"
 
     async def _check(self) -> CheckReport:
@@ -269,7 +280,7 @@ class AgentRun:
             return f"error: delegation budget ({self.cfg.max_delegations}) spent"
         self.delegations += 1
         sub = f"sub{self.delegations}"
-        subtask = split_bytes(encode(subtask)[: self.cfg.subtask_bytes]).decode("utf-8", errors="replace")
+        subtask = truncate_utf8(subtask, self.cfg.subtask_bytes)
         intro = self._intro(SUBAGENT_TEXT, self.task.spec, "subtask: " + subtask)
         message = await self._agent(sub, "subagent", intro, self.cfg.subagent_turns)
         return f"{sub}: {message}"

@@ -1,1 +1,1 @@
-"""Model code that knows nothing of cells, MPI or trees: the tiny causal LM and its checkpoints."""
+"""Model code that knows nothing of cells, MPI or trees: the decoder, its tokenizers and HF checkpoint folders."""

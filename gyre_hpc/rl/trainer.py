@@ -1,4 +1,4 @@
-"""What a TRAIN rank runs: TinyLM + AdamW + the tree loss on packed rows.
+"""What a TRAIN rank runs: the decoder + AdamW + the tree loss on packed rows.
 
 State that moves on a flip. A replica joining the training communicator must apply
 *identical* updates to the other replicas, so it needs the model weights AND the AdamW
@@ -28,7 +28,8 @@ import torch
 from gyre_hpc.cells.workload import MicroResult
 from gyre_hpc.config import RunConfig
 from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
-from gyre_hpc.models.tiny_lm import TinyLM, build_model
+from gyre_hpc.models.decoder import CausalLM, build_model
+from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer, load_tokenizer
 from gyre_hpc.trees.loss import StepWeights, packed_loss
 from gyre_hpc.trees.packing import PackedRow, collate
 
@@ -60,18 +61,24 @@ class MicroBatch:
         return StepWeights(self.advantages, self.run_tokens, 1, self.averaging, total_tokens=1)
 
 
-def initial_model(cfg: RunConfig) -> TinyLM:
+def initial_model(cfg: RunConfig) -> CausalLM:
     if cfg.model.path:
         return load_pretrained(cfg.model.path, dtype=torch.float32)
     return build_model(cfg.model.preset, seed=cfg.seed)
 
 
+def policy_tokenizer(cfg: RunConfig) -> ChatTokenizer:
+    """The policy's tokenizer: the checkpoint's own for ``model.path``, else the embedded default."""
+    return load_tokenizer(cfg.model.path) if cfg.model.path else embedded_tokenizer()
+
+
 class RLTrainer:
     """One replica's model and optimizer; the model is shared with the cell's engine."""
 
-    def __init__(self, cfg: RunConfig, model: TinyLM | None = None):
+    def __init__(self, cfg: RunConfig, model: CausalLM | None = None):
         self.cfg = cfg
         self.model = model if model is not None else initial_model(cfg)
+        self.tokenizer = policy_tokenizer(cfg)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -124,7 +131,7 @@ class RLTrainer:
         """HF-format model directory plus the optimizer state beside it."""
         from safetensors.torch import save_file
 
-        save_pretrained(self.model, directory, extra=extra)
+        save_pretrained(self.model, directory, extra=extra, tokenizer=self.tokenizer)
         tensors = {k: v.detach().contiguous().clone() for k, v in self.optimizer_state().items()}
         save_file(tensors, str(Path(directory) / OPTIMIZER_FILE))
 

@@ -10,7 +10,11 @@ from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.client import Completion
 from gyre_hpc.harness.loop import SUMMARY_REQUEST
 from gyre_hpc.harness.tasks import Task, TaskTest
-from gyre_hpc.harness.tokenizer import AGENT, ENV, EOS, encode, split_bytes
+from gyre_hpc.harness.tokenizer import ChatFormat, encode, split_bytes
+from gyre_hpc.models.tokenizer import embedded_tokenizer
+
+_CHAT = ChatFormat(embedded_tokenizer())
+SUMMARY_PROMPT_END = _CHAT.message("user", SUMMARY_REQUEST) + _CHAT.generation_prompt()
 
 # A task whose first finish fails one test, so the retry path is taken.
 HI_TASK = Task(
@@ -25,8 +29,8 @@ HI_TASK = Task(
 def teacher(prompt: list[int]) -> list[int]:
     """delegate -> sub-agent writes 'no' and finishes -> finish (fails) -> retry -> write 'hi' -> finish."""
     text = split_bytes(prompt)
-    if prompt[-len(encode(SUMMARY_REQUEST)) - 2:] == [ENV] + encode(SUMMARY_REQUEST) + [AGENT]:
-        return encode("wrote") + [EOS]   # plain text ends where the model stops
+    if prompt[-len(SUMMARY_PROMPT_END):] == SUMMARY_PROMPT_END:
+        return encode("wrote") + [_CHAT.tokenizer.eos_id]   # plain text ends where the model stops
     if b"summary: wrote" in text:
         return format_action("finish")
     if b"subtask:" in text:

@@ -26,7 +26,7 @@ from gyre_hpc.trees.builder import build_tree
 
 from scripted import HI_TASK, ScriptClient
 
-CFG = HarnessConfig(max_new_tokens=24, context_limit=270)
+CFG = HarnessConfig(max_new_tokens=32, context_limit=230)
 
 # Training the model in the fixture takes ~10 s alone and ~20 s on a busy 2-core machine.
 pytestmark = pytest.mark.slow

@@ -7,17 +7,18 @@ import time
 import numpy as np
 import pytest
 
-from gyre_hpc.harness.actions import format_action
+from gyre_hpc.harness.actions import format_action, parse_action
 from gyre_hpc.harness.journal import load_journal
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import load_suite
-from gyre_hpc.harness.tokenizer import encode, split_bytes
+from gyre_hpc.harness.tokenizer import ChatFormat, encode, split_bytes
+from gyre_hpc.models.tokenizer import embedded_tokenizer
 from gyre_hpc.trees.builder import build_tree
 
 from scripted import HI_TASK, ScriptClient
 
 # With these numbers the teacher's run compresses exactly once, after the retry's write.
-CFG = HarnessConfig(max_new_tokens=24, context_limit=270)
+CFG = HarnessConfig(max_new_tokens=32, context_limit=230)
 
 
 def _run(tmp_path, client, cfg=CFG, task=HI_TASK, name="r", resume=True):
@@ -47,9 +48,9 @@ def test_teacher_run_delegates_retries_compresses_and_journals_every_call(tmp_pa
 
 
 def test_retry_branches_from_the_anchor_context(tmp_path):
-    r = _run(tmp_path, ScriptClient(), cfg=HarnessConfig(max_new_tokens=24, context_limit=2048))
+    r = _run(tmp_path, ScriptClient(), cfg=HarnessConfig(max_new_tokens=32, context_limit=2048))
     first_finish, retried = r.calls[3], r.calls[4]
-    anchor = r.calls[0].prompt[:-1]  # intro without the AGENT token
+    anchor = r.calls[0].prompt[:-len(ChatFormat(embedded_tokenizer()).generation_prompt())]  # the intro
     assert np.array_equal(retried.prompt[: anchor.size], anchor)
     assert b"retry 1: 1/2 tests passed" in split_bytes(retried.prompt)
     # a new branch: the first attempt's delegation and finish are not in the retried context
@@ -95,7 +96,7 @@ def test_resume_that_diverges_restarts_cleanly(tmp_path):
         _run(tmp_path, CrashAfter(2))
     path = tmp_path / "r.jsonl"
     lines = path.read_text().splitlines()
-    lines[1] = lines[1].replace('"prompt":[257,', '"prompt":[257,1,', 1)   # not what the loop will ask
+    lines[1] = lines[1].replace('"prompt":[1,', '"prompt":[1,1,', 1)   # not what the loop will ask
     path.write_text("\n".join(lines) + "\n")
     fresh = ScriptClient()
     r = _run(tmp_path, fresh)
@@ -119,7 +120,7 @@ def test_timed_out_run_is_scored_from_its_saved_workspace(tmp_path):
 
     t0 = time.monotonic()
     r = _run(tmp_path, ScriptClient(policy), task=task,
-             cfg=HarnessConfig(max_new_tokens=16, context_limit=512, run_timeout_s=1.5))
+             cfg=HarnessConfig(max_new_tokens=32, context_limit=512, run_timeout_s=1.5))
     assert time.monotonic() - t0 < 8
     assert r.status == "timeout"
     assert r.reward == 0.75 and r.check.passed == (True, True, False, True)   # 'ok' but no digit yet
@@ -149,9 +150,9 @@ def test_tool_errors_are_shown_to_the_model_not_raised(tmp_path):
             return format_action("finish")
         return format_action("read", "../../etc/passwd")
 
-    r = _run(tmp_path, ScriptClient(policy), cfg=HarnessConfig(max_new_tokens=24, context_limit=1024))
+    r = _run(tmp_path, ScriptClient(policy), cfg=HarnessConfig(max_new_tokens=32, context_limit=1024))
     # read (refused), finish (tests fail), retry: read (refused), finish
-    assert r.status == "finished" and [c.output[1] for c in r.calls] == [ord("r"), ord("f")] * 2
+    assert r.status == "finished" and [parse_action(c.output).tool for c in r.calls] == ["read", "finish"] * 2
     assert b"outside the workspace" in split_bytes(r.calls[1].prompt)
 
 

@@ -122,7 +122,9 @@ def test_checkpoint_is_hf_format_plus_optimizer_and_round_trips(tmp_path):
     a.train_micro_batch(mb)
     a.apply_update(0.5)
     a.save(tmp_path / "ck", extra={"step": 1})
-    assert {p.name for p in (tmp_path / "ck").iterdir()} == {"config.json", "model.safetensors", OPTIMIZER_FILE}
+    assert {p.name for p in (tmp_path / "ck").iterdir()} == {
+        "config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json", "tokenizer.json",
+        "tokenizer_config.json", OPTIMIZER_FILE}
     b = RLTrainer(cfg.model_copy(update={"seed": 9}))
     b.load(tmp_path / "ck")
     for name, t in a.state_dict().items():

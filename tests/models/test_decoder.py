@@ -1,13 +1,16 @@
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from gyre_hpc.models.checkpoint import CheckpointError, load_pretrained, save_pretrained
-from gyre_hpc.models.tiny_lm import PRESETS, LMConfig, build_model
+from gyre_hpc.models.decoder import PRESETS, LMConfig, build_model
+
+V = PRESETS["tiny"].vocab_size
 
 
-def _ids(B, T, seed=0, vocab=264):
+def _ids(B, T, seed=0, vocab=V):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (B, T), generator=g)
 
@@ -21,9 +24,11 @@ def test_presets_build_deterministic_weights_from_seed():
     for (k, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
         assert torch.equal(pa, pb), k
     assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
-    assert a.config.d_model == 64 and a.config.n_layers == 2 and a.config.n_heads == 4
+    assert a.config.d_model == 64 and a.config.n_layers == 2 and a.config.n_heads == 2
     assert build_model("small").n_params > a.n_params
     assert set(PRESETS) >= {"tiny", "small"}
+    # vLLM's CPU attention needs head size >= 32; the presets use grouped-query attention
+    assert all(p.dh >= 32 and p.kv_heads < p.n_heads for p in PRESETS.values())
 
 
 def test_unknown_preset_lists_the_valid_ones():
@@ -34,16 +39,20 @@ def test_unknown_preset_lists_the_valid_ones():
 def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="n_heads"):
         LMConfig(d_model=64, n_heads=5)
+    with pytest.raises(ValueError, match="n_kv_heads=3"):
+        LMConfig(d_model=64, n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="family='gpt2'"):
+        LMConfig(family="gpt2")
 
 
 def test_forward_shapes_and_causality():
     model = build_model("tiny", seed=0)
     ids = _ids(2, 12)
     logits = model(ids, _pos(2, 12))
-    assert logits.shape == (2, 12, 264)
+    assert logits.shape == (2, 12, V)
     # Changing a later token must not change earlier logits (causal).
     ids2 = ids.clone()
-    ids2[:, 8] = (ids2[:, 8] + 1) % 256
+    ids2[:, 8] = (ids2[:, 8] + 1) % V
     logits2 = model(ids2, _pos(2, 12))
     torch.testing.assert_close(logits[:, :8], logits2[:, :8])
     assert not torch.allclose(logits[:, 8:], logits2[:, 8:])
@@ -62,7 +71,7 @@ def test_kv_cache_decode_equals_full_forward():
     lg, past = model(ids[:, 17:], _pos(2, 3, 17), past_kv=past, use_cache=True)
     steps.append(lg)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-12, atol=1e-12)
-    assert past[0][0].shape == (2, 4, 20, 16)
+    assert past[0][0].shape == (2, 1, 20, 32)   # the kv heads only (GQA)
 
 
 def test_explicit_bool_mask_matches_default_causal():
@@ -117,18 +126,19 @@ def test_float64_forward_and_backward():
 def test_untied_head_has_its_own_weight():
     model = build_model(LMConfig(tie_embeddings=False), seed=0)
     assert "lm_head.weight" in model.state_dict()
-    assert model(_ids(1, 4), _pos(1, 4)).shape == (1, 4, 264)
+    assert model(_ids(1, 4), _pos(1, 4)).shape == (1, 4, V)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("tied", [True, False])
 def test_checkpoint_round_trip(tmp_path, dtype, tied):
-    model = build_model(LMConfig(tie_embeddings=tied), seed=8).to(dtype)
+    model = build_model(dataclasses.replace(PRESETS["tiny"], tie_embeddings=tied), seed=8).to(dtype)
     save_pretrained(model, tmp_path / "ck", extra={"step": 3})
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (64, 2, 4)
-    assert cfg["vocab_size"] == 264 and cfg["max_position_embeddings"] == 65536
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["model_type"] == "qwen2"
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (64, 2, 2)
+    assert cfg["num_key_value_heads"] == 1 and cfg["head_dim"] == 32
+    assert cfg["vocab_size"] == V and cfg["max_position_embeddings"] == 32768
     assert cfg["intermediate_size"] == 172 and cfg["rope_theta"] == 10000.0
     assert cfg["gyre"] == {"step": 3}
     loaded = load_pretrained(tmp_path / "ck")
@@ -153,7 +163,7 @@ def test_checkpoint_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{oops")
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
         load_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 264}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "vocab_size": V}))
     with pytest.raises(CheckpointError, match="missing keys hidden_size"):
         load_pretrained(tmp_path)
 
@@ -165,3 +175,71 @@ def test_checkpoint_shape_mismatch_names_the_tensor(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="gate_proj.weight has shape"):
         load_pretrained(tmp_path)
+
+
+def test_checkpoint_of_an_unsupported_architecture_names_the_file(tmp_path):
+    save_pretrained(build_model("tiny"), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match=r"config.json: architectures=\['GPT2LMHeadModel'\] is not supported"):
+        load_pretrained(tmp_path)
+
+
+def test_checkpoint_with_renamed_weights_names_the_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_pretrained(build_model("tiny"), tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["model.layers.0.self_attn.qproj.weight"] = state.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.0.self_attn.q_proj.weight'\], "
+                                              r"unexpected tensors \['model.layers.0.self_attn.qproj.weight'\]"):
+        load_pretrained(tmp_path)
+
+
+class _ListCache:
+    """A minimal contract-1 hook: per-layer k, v lists, SDPA over past + new (causal within new)."""
+
+    def __init__(self, n_layers):
+        self.k = [None] * n_layers
+        self.v = [None] * n_layers
+        self.shapes = []
+
+    def attend(self, layer, q, k, v):
+        self.shapes.append((tuple(q.shape), tuple(k.shape)))
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], 2)
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], 2)
+        K, Vv = self.k[layer], self.v[layer]
+        rep = q.shape[1] // K.shape[1]
+        K, Vv = K.repeat_interleave(rep, 1), Vv.repeat_interleave(rep, 1)
+        T, S = q.shape[2], K.shape[2]
+        mask = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)
+        return torch.nn.functional.scaled_dot_product_attention(q, K, Vv, attn_mask=mask)
+
+
+def test_kv_cache_hook_receives_new_tokens_only_and_matches_full_forward():
+    model = build_model("small", seed=3).double()
+    ids = _ids(2, 15, seed=4)
+    full = model(ids, _pos(2, 15))
+    cache = _ListCache(model.config.n_layers)
+    steps = [model(ids[:, :9], _pos(2, 9), kv_cache=cache)]
+    for t in range(9, 15):
+        steps.append(model(ids[:, t:t + 1], _pos(2, 1, t), kv_cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-12, atol=1e-12)
+    cfg = model.config
+    assert cache.shapes[0] == ((2, cfg.n_heads, 9, cfg.dh), (2, cfg.kv_heads, 9, cfg.dh))
+    assert cache.shapes[-1] == ((2, cfg.n_heads, 1, cfg.dh), (2, cfg.kv_heads, 1, cfg.dh))
+    with pytest.raises(ValueError, match="pass it alone"):
+        model(ids, _pos(2, 15), kv_cache=cache, use_cache=True)
+
+
+def test_attention_fn_sees_kv_expanded_to_every_query_head():
+    model = build_model("small", seed=5)
+    seen = []
+
+    def causal(q, k, v):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model(_ids(1, 6), _pos(1, 6), attention_fn=causal)
+    assert seen == [(4, 4, 4)] * model.config.n_layers
