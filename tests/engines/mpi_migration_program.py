@@ -44,9 +44,17 @@ def controller(comm, prompts, out_path, other_dir) -> None:
     routed = {r.request_id: router.submit(r) for r in reqs}
     seen: dict[str, int] = {}
     # "Mid-decode": every request prefilled and a few tokens in, far from its budget.
+    # Engine 1 stops decoding (closed to admission) as soon as its own requests are a few
+    # tokens in, so they are still mid-decode when the drain comes, however unevenly a loaded
+    # machine schedules the two engine ranks.
+    on_one = [rid for rid, e in routed.items() if e == 1]
+    held = False
     while len(seen) < len(reqs) or min(seen.values()) < 3:
         for ev in router.poll():
             seen[ev.request_id] = ev.index + 1
+        if not held and all(seen.get(rid, 0) >= 3 for rid in on_one):
+            transport.close_admission(1)
+            held = True
     before = transport.stats(2)["counters"]
     result = router.drain(1)
     outputs = router.run_until_done()
