@@ -197,8 +197,9 @@ def test_listed_journals_packed_equals_reference_per_run_and_as_group_forests(mo
         assert abs(ref) > 1e-3
     other = reference_loss(model, journals, rewards, tasks, CLIP, shared_targets=RULES[rule == "per_sample"],
                            averaging=averaging)[0]
-    # The two rules really differ here: by ~2e-4 relative, 10^6 times the equality tolerance.
-    assert abs(other.item() - ref) > 1e-4 * abs(ref)
+    # The two rules really differ here: by ~4e-5 relative with the 512-id tokenizer's model
+    # (~2e-4 with the byte model), 10^5 times the equality tolerance.
+    assert abs(other.item() - ref) > 1e-5 * abs(ref)
 
 
 def test_group_forest_stores_the_shared_prompt_once_with_each_run_s_samples():
