@@ -32,9 +32,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from gyre_hpc.harness.actions import Action, parse_action
 from gyre_hpc.harness.client import Completion, ModelClient
 from gyre_hpc.harness.confine import Limits
+from gyre_hpc.harness.context import TokenContext
 from gyre_hpc.harness.journal import JournalState, JournalWriter, load_journal
 from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
 from gyre_hpc.harness.tokenizer import AGENT, BOS, END, ENV, EOS, encode, split_bytes
@@ -128,7 +131,7 @@ class AgentRun:
         overhead = len(encode(SUMMARY_REQUEST)) + 2 + len(encode("summary: ")) + 2
         return self.cfg.context_limit - self.cfg.max_new_tokens - overhead - len(intro)
 
-    def _needs_compression(self, context: list[int]) -> bool:
+    def _needs_compression(self, context: TokenContext) -> bool:
         return len(context) + self.cfg.max_new_tokens + len(encode(SUMMARY_REQUEST)) + 2 > self.cfg.context_limit
 
     # ---- the run --------------------------------------------------------------------
@@ -181,18 +184,20 @@ class AgentRun:
             raise RunTimeout()
         return left
 
-    async def _call(self, prompt: list[int], role: str, agent: str) -> Completion:
+    async def _call(self, context: TokenContext, role: str, agent: str) -> Completion:
         remaining = self._remaining()
         k = len(self.calls)
+        prompt = context.array  # a view of the shared context buffer, not a copy
         if k < len(self.replay):
             rec = self.replay[k]
-            if rec.prompt.tolist() != prompt or rec.role != role or rec.agent != agent:
+            if not np.array_equal(rec.prompt, prompt) or rec.role != role or rec.agent != agent:
                 raise ReplayDiverged(f"call {k}: the replayed prompt differs from the journal")
             comp = Completion(tuple(rec.output.tolist()), tuple(rec.logprobs.tolist()), rec.policy_version)
             self.calls.append(rec)
             return comp
         try:
-            comp = await asyncio.wait_for(self.client.complete(prompt, self.cfg.max_new_tokens, STOP_IDS), remaining)
+            comp = await asyncio.wait_for(self.client.complete(prompt.tolist(), self.cfg.max_new_tokens, STOP_IDS),
+                                          remaining)
         except asyncio.TimeoutError:
             raise RunTimeout() from None
         call = ModelCall(prompt, comp.output, comp.logprobs, role=role, agent=agent,
@@ -201,16 +206,16 @@ class AgentRun:
         self.calls.append(call)
         return comp
 
-    async def _compress(self, context: list[int], intro: list[int], agent: str) -> list[int]:
-        comp = await self._call(context + [ENV] + encode(SUMMARY_REQUEST) + [AGENT], "summary", agent)
+    async def _compress(self, context: TokenContext, intro: list[int], agent: str) -> TokenContext:
+        comp = await self._call(context.extend([ENV] + encode(SUMMARY_REQUEST) + [AGENT]), "summary", agent)
         self.compressions += 1
         summary = split_bytes(comp.output)[: max(self._summary_budget(intro), 0)]
-        return intro + [ENV] + encode("summary: ") + list(summary) + [AGENT]
+        return TokenContext.of(intro + [ENV] + encode("summary: ") + list(summary) + [AGENT])
 
     async def _agent(self, agent: str, role: str, intro: list[int], max_turns: int) -> str:
         """Run one agent's turns; returns its finish message (what a parent sees)."""
-        anchor = intro + [AGENT]
-        context = list(anchor)
+        # Contexts share one growing buffer (context.py): a call's prompt is a view, not a copy.
+        anchor = context = TokenContext.of(intro + [AGENT])
         for _ in range(max_turns):
             if self._needs_compression(context):
                 context = anchor = await self._compress(context, intro, agent)
@@ -221,13 +226,14 @@ class AgentRun:
                 report = await self._check()
                 if report.score < 1.0 and self.retries < self.cfg.max_retries:
                     self.retries += 1
-                    context = anchor[:-1] + [ENV] + encode(f"retry {self.retries}: " + report.summary()) + [AGENT]
+                    context = anchor.prefix(len(anchor) - 1).extend(
+                        [ENV] + encode(f"retry {self.retries}: " + report.summary()) + [AGENT])
                     continue
                 return result
             if finished:
                 return result
             shown = encode(result)[: self.cfg.tool_output_bytes]
-            context = context + list(comp.output) + [ENV] + shown + [AGENT]
+            context = context.extend(list(comp.output) + [ENV] + shown + [AGENT])
         return "turn budget spent"
 
     async def _check(self) -> CheckReport:
