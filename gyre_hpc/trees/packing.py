@@ -17,6 +17,9 @@ same positions, no loss (``loss_mask`` False), so each trained token is scored o
 the row that owns it. A node is never cut, because the ancestors plus the node are one
 call's path at most, so a row that holds the longest path holds any node with its
 context, and cutting would only repeat the node's head as well.
+
+Deep trees. A tree with a path longer than the row budget is not split at all: it is one
+row of its own, trained in chunks of the budget (see :func:`pack`).
 """
 from __future__ import annotations
 
@@ -112,13 +115,28 @@ class _RowBuilder:
 
 
 def pack(trees: Sequence[Tree], row_tokens: int) -> list[PackedRow]:
-    """Trees depth-first into rows of at most ``row_tokens`` tokens (see module docstring)."""
+    """Trees depth-first into rows of at most ``row_tokens`` tokens (see module docstring).
+
+    A tree with a path deeper than ``row_tokens`` gets one row of its own holding the whole
+    tree, longer than ``row_tokens``: split rows would each repeat the deep ancestors, so
+    the tokens packed would grow with depth x rows. Such a row trains in chunks of
+    ``row_tokens`` (:func:`gyre_hpc.trees.chunked.backward_packed`), exactly.
+    """
     if row_tokens < 2:
         raise ValueError(f"pack row_tokens={row_tokens} must be >= 2")
     depths = [node_depth(t) for t in trees]
     rows: list[PackedRow] = []
     row = _RowBuilder(trees, depths)
     for r, tree in enumerate(trees):
+        if tree.n_nodes and int((depths[r] + tree.node_len).max()) > row_tokens:
+            if row.length:
+                rows.append(row.finish())
+                row = _RowBuilder(trees, depths)
+            for node in range(tree.n_nodes):
+                row.add(_Span(r, node, int(tree.node_len[node]), owned=True))
+            rows.append(row.finish())
+            row = _RowBuilder(trees, depths)
+            continue
         for node in range(tree.n_nodes):
             need = int(tree.node_len[node])
             if row.length + need > row_tokens:
@@ -129,10 +147,6 @@ def pack(trees: Sequence[Tree], row_tokens: int) -> list[PackedRow]:
                     rows.append(row.finish())
                 row = _RowBuilder(trees, depths)
                 _add_context(row, tree, r, node)
-                if row.length + need > row_tokens:
-                    raise ValueError(
-                        f"pack: run {tree.run_id!r} has a path of {row.length + need} tokens (node {node}), "
-                        f"more than row_tokens={row_tokens}; raise train.row_tokens")
             row.add(_Span(r, node, need, owned=True))
     if row.length:
         rows.append(row.finish())
