@@ -82,6 +82,21 @@ def tree_mask_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
     return visible[:, None]
 
 
+def _block_keys(subtree_end: torch.Tensor, q_start: int, q_end: int, k: torch.Tensor, v: torch.Tensor):
+    """The keys and values queries [q_start, q_end) can reach, the block's mask, and the key index.
+
+    On one path (or wherever every key before the block is an ancestor) the reachable keys
+    are the prefix [0, q_end): sliced as views, index None. Otherwise gathered.
+    """
+    index, valid = tree_key_index(subtree_end, q_start, q_end)
+    if k.shape[0] == 1 and index.shape[1] == q_end:
+        return k[:, :, :q_end], v[:, :, :q_end], tree_mask_block(subtree_end, q_start, q_end), None
+    B, H, _, D = k.shape
+    gather = index[:, None, :, None].expand(B, H, index.shape[1], D)
+    mask = tree_mask_block(subtree_end, q_start, q_end, index, valid)
+    return k.gather(2, gather), v.gather(2, gather), mask, gather
+
+
 def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
                   q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Queries [q_start, q_end) over the keys they can reach; everything here is recomputable.
@@ -89,11 +104,62 @@ def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
     Key selection and mask are made here, not kept per block: kept for every block they
     would total T^2/block indices, and under checkpointing they are rebuilt in backward.
     """
-    index, valid = tree_key_index(subtree_end, q_start, q_end)
-    mask = tree_mask_block(subtree_end, q_start, q_end, index, valid)
-    B, H, _, D = k.shape
-    gather = index[:, None, :, None].expand(B, H, index.shape[1], D)
-    return F.scaled_dot_product_attention(q, k.gather(2, gather), v.gather(2, gather), attn_mask=mask)
+    kb, vb, mask, _ = _block_keys(subtree_end, q_start, q_end, k, v)
+    return F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+class _FlashTreeAttention(torch.autograd.Function):
+    """Blocked tree attention keeping only the output and log-sum-exp for backward (CPU).
+
+    The same flash kernels SDPA uses on CPU (bitwise the same forward), called per block:
+    forward keeps q, k, v (alive anyway), the output and one log-sum-exp per query: O(T).
+    Backward rebuilds each block's keys and mask and lets the flash backward kernel
+    recompute its probabilities from the log-sum-exp, so nothing is computed twice except
+    those masks and gathers: no second forward as checkpointing would need.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, subtree_end, offset: int, block: int):
+        Lq = q.shape[2]
+        out = torch.empty_like(q)
+        lse = None
+        for qs in range(offset, offset + Lq, block):
+            qe = min(offset + Lq, qs + block)
+            kb, vb, mask, _ = _block_keys(subtree_end, qs, qe, k, v)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, qs - offset:qe - offset], kb, vb, 0.0, False, attn_mask=_additive(mask, q.dtype))
+            if lse is None:
+                lse = torch.empty(q.shape[:3], dtype=l.dtype, device=q.device)
+            out[:, :, qs - offset:qe - offset] = o
+            lse[:, :, qs - offset:qe - offset] = l
+        ctx.save_for_backward(q, k, v, subtree_end, out, lse)
+        ctx.offset, ctx.block = offset, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, subtree_end, out, lse = ctx.saved_tensors
+        offset, block, Lq = ctx.offset, ctx.block, q.shape[2]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qs in range(offset, offset + Lq, block):
+            qe = min(offset + Lq, qs + block)
+            sl = slice(qs - offset, qe - offset)
+            kb, vb, mask, gather = _block_keys(subtree_end, qs, qe, k, v)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out[:, :, sl].contiguous(), q[:, :, sl], kb, vb, out[:, :, sl], lse[:, :, sl], 0.0, False,
+                attn_mask=_additive(mask, q.dtype))
+            dq[:, :, sl] = gq
+            if gather is None:
+                dk[:, :, :qe] += gk
+                dv[:, :, :qe] += gv
+            else:  # padded key slots are masked out everywhere, so their gradient is 0
+                dk.scatter_add_(2, gather, gk)
+                dv.scatter_add_(2, gather, gv)
+        return dq, dk, dv, None, None, None
 
 
 def _expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,13 +175,14 @@ def _expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 class SdpaTreeAttention:
     """Query-blocked SDPA over each block's reachable keys, its backward recomputing each block.
 
-    Memory. Kept for backward, each block's attention probabilities are block x K values per
-    head with K up to the path depth: T^2 over a long path (8.8 GB at 32K tokens for the tiny
-    model). With ``recompute=True`` (the default) each block runs under activation
-    checkpointing: the forward keeps only q, k, v (views, already alive for the projections'
-    backward) and the block's output, and backward rebuilds one block's keys, mask and
-    probabilities at a time, so memory is linear in the row length for ~1.3x the attention
-    time (one more forward of each block). ``recompute=False`` keeps them (short rows only).
+    Memory. Left to autograd, each block keeps its gathered keys and values and its mask
+    for backward: K x d and block x K values with K up to the path depth, T^2 over a long path
+    (8.8 GB at 32K tokens for the tiny model). With ``recompute=True`` (the default) nothing
+    per block is kept: on CPU a flash-style autograd function (``_FlashTreeAttention``) keeps
+    the output and one log-sum-exp per query and rebuilds each block's keys and mask in
+    backward, where the flash kernel recomputes the probabilities; elsewhere each block runs
+    under activation checkpointing (one more forward per block). Either way memory is linear
+    in the row length. ``recompute=False`` leaves it to autograd (short rows only).
 
     Chunks. Called with fewer queries than keys (``q`` [B, H, Lq, D], ``k`` [B, H, S, D]),
     the queries are rows [S - Lq, S) of the row and the keys rows [0, S): the last chunk of a
@@ -147,7 +214,10 @@ class SdpaTreeAttention:
                 f"{S} keys (queries must be the last of the keys, no more keys than the row)")
         k, v = _expand_kv_heads(q, k, v)
         offset = S - Lq
-        checkpointed = self.recompute and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if needs_grad and self.recompute and q.device.type == "cpu":
+            return _FlashTreeAttention.apply(q, k, v, self.subtree_end, offset, self.block)
+        checkpointed = needs_grad and self.recompute
         outs = []
         for qs in range(offset, S, self.block):
             qe = min(S, qs + self.block)

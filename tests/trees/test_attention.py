@@ -147,7 +147,7 @@ def test_recomputed_attention_keeps_memory_linear_in_the_row():
             saved[recompute, n] = _saved_bytes(lambda: model(ids, pos, attention_fn=attn).sum())
     assert saved[False, 4096] > 6 * saved[False, 1024]               # quadratic when kept (8.5x)
     assert saved[True, 4096] < 4.4 * saved[True, 1024]               # linear when recomputed (3.9x)
-    assert saved[True, 4096] < saved[False, 4096] / 3
+    assert saved[True, 4096] < saved[False, 4096] / 2
 
 
 def test_grouped_query_heads_are_expanded_inside_tree_attention():
