@@ -18,6 +18,7 @@ BENCHMARKS = {
     "store": "gyre_hpc.bench.store:command",
     "migrate": "gyre_hpc.bench.migrate:command",
     "e2e": "gyre_hpc.bench.e2e:command",
+    "scale": "gyre_hpc.bench.scale:command",
 }
 
 
