@@ -201,3 +201,12 @@ def test_harness_config_names_a_bad_field():
         HarnessConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="HarnessConfig.max_retries=-1"):
         HarnessConfig(max_retries=-1)
+
+
+def test_calls_of_one_context_share_its_buffer_instead_of_copying_prompts(tmp_path):
+    r = _run(tmp_path, ScriptClient(), cfg=HarnessConfig(max_new_tokens=24, context_limit=2048))
+    main = [c for c in r.calls if c.role == "main"]
+    # The first main call's context grew into the second's in place: one buffer, two views.
+    assert main[1].prompt.size > main[0].prompt.size
+    assert np.shares_memory(main[0].prompt, main[1].prompt)
+    assert not main[0].prompt.flags.writeable
