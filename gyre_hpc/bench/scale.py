@@ -204,6 +204,7 @@ def _measure_train(tokens: int, chunk: int | None, preset: str, seed: int, queue
 
 
 def _in_child(target, *args) -> dict:
+    """Run one measurement in a fresh process; its figures are also logged to stderr as they come."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, queue))
@@ -214,6 +215,7 @@ def _in_child(target, *args) -> dict:
         proc.join()
     if proc.exitcode != 0:
         raise click.ClickException(f"bench scale: {target.__name__}{args} exited with {proc.exitcode}")
+    click.echo(f"bench scale: {target.__name__}{args[:2]} {json.dumps(result, default=float)}", err=True)
     return result
 
 
