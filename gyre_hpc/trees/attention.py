@@ -82,18 +82,30 @@ def tree_mask_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
     return visible[:, None]
 
 
-def _block_keys(subtree_end: torch.Tensor, q_start: int, q_end: int, k: torch.Tensor, v: torch.Tensor):
-    """The keys and values queries [q_start, q_end) can reach, the block's mask, and the key index.
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
-    On one path (or wherever every key before the block is an ancestor) the reachable keys
-    are the prefix [0, q_end): sliced as views, index None. Otherwise gathered.
+
+def _block_keys(subtree_end: torch.Tensor, q_start: int, q_end: int, k: torch.Tensor, v: torch.Tensor):
+    """The keys and values queries [q_start, q_end) can reach, the block's additive mask, the gather index.
+
+    On one path (or wherever every key before the block is an ancestor of all its queries)
+    the reachable keys are the prefix [0, q_end): sliced as views (index None), and only the
+    block's own square of the mask needs the interval test; the rest is zeros. Otherwise the
+    reachable keys are gathered and the whole mask is computed.
     """
     index, valid = tree_key_index(subtree_end, q_start, q_end)
     if k.shape[0] == 1 and index.shape[1] == q_end:
-        return k[:, :, :q_end], v[:, :, :q_end], tree_mask_block(subtree_end, q_start, q_end), None
+        if q_start == 0 or int(subtree_end[0, :q_start].min()) >= q_end:
+            mask = torch.zeros((1, 1, q_end - q_start, q_end), dtype=k.dtype, device=k.device)
+            own = torch.arange(q_start, q_end, device=k.device)[None]
+            mask[..., q_start:] = _additive(tree_mask_block(subtree_end, q_start, q_end, own), k.dtype)
+        else:
+            mask = _additive(tree_mask_block(subtree_end, q_start, q_end), k.dtype)
+        return k[:, :, :q_end], v[:, :, :q_end], mask, None
     B, H, _, D = k.shape
     gather = index[:, None, :, None].expand(B, H, index.shape[1], D)
-    mask = tree_mask_block(subtree_end, q_start, q_end, index, valid)
+    mask = _additive(tree_mask_block(subtree_end, q_start, q_end, index, valid), k.dtype)
     return k.gather(2, gather), v.gather(2, gather), mask, gather
 
 
@@ -106,10 +118,6 @@ def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
     """
     kb, vb, mask, _ = _block_keys(subtree_end, q_start, q_end, k, v)
     return F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask)
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class _FlashTreeAttention(torch.autograd.Function):
@@ -131,7 +139,7 @@ class _FlashTreeAttention(torch.autograd.Function):
             qe = min(offset + Lq, qs + block)
             kb, vb, mask, _ = _block_keys(subtree_end, qs, qe, k, v)
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, qs - offset:qe - offset], kb, vb, 0.0, False, attn_mask=_additive(mask, q.dtype))
+                q[:, :, qs - offset:qe - offset], kb, vb, 0.0, False, attn_mask=mask)
             if lse is None:
                 lse = torch.empty(q.shape[:3], dtype=l.dtype, device=q.device)
             out[:, :, qs - offset:qe - offset] = o
@@ -151,7 +159,7 @@ class _FlashTreeAttention(torch.autograd.Function):
             kb, vb, mask, gather = _block_keys(subtree_end, qs, qe, k, v)
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, :, sl].contiguous(), q[:, :, sl], kb, vb, out[:, :, sl], lse[:, :, sl], 0.0, False,
-                attn_mask=_additive(mask, q.dtype))
+                attn_mask=mask)
             dq[:, :, sl] = gq
             if gather is None:
                 dk[:, :, :qe] += gk
