@@ -28,7 +28,7 @@ def test_quick_bench_prints_figures_with_growth_exponents():
     result = CliRunner().invoke(command, ["--json", "--quick", "--calls", "6,12", "--train-tokens", "1848,3348",
                                           "--chunked-tokens", "1848", "--chunk", "512"])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    out = json.loads(result.stdout)  # stderr carries the per-measurement log
     runs = out["runs"]
     assert [r["calls"] for r in runs] == [6, 12] and all(r["store_read_exact"] for r in runs)
     assert all(r["loaded_calls"] == r["calls"] for r in runs)
