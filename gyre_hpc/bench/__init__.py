@@ -17,6 +17,7 @@ BENCHMARKS = {
     "migrate": "gyre_hpc.bench.migrate:command",
     "e2e": "gyre_hpc.bench.e2e:command",
     "engines": "gyre_hpc.bench.engines:command",
+    "scale": "gyre_hpc.bench.scale:command",
 }
 
 

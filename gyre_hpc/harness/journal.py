@@ -1,30 +1,52 @@
 """The run journal: every model call of one run, appended to disk as it happens.
 
-Format: JSON lines, one record per line, each ``write`` + ``fsync``'d before the harness
-acts on the call, so what the journal holds is never ahead of nor behind what the agent did
-by more than the call in flight:
-  {"type": "run", "run_id", "task_id", "format": 1}                        first line
-  {"type": "call", "role", "agent", "policy_version", "prompt", "output", "logprobs"}
-  {"type": "end", "status", "reward", "wall_s", "passed"}                  last line, once
-Why JSON lines: appends are atomic enough to reason about (a crash tears at most the last
-line), a torn last line is recognisable (no newline or not JSON) and ignored, and people
-can read a journal with ``head``. Logprobs are float32 values written as Python floats,
-which round-trip exactly.
+Why not one record per call holding its full prompt: a call's prompt is nearly always an
+earlier call's prompt + output + tool text, so a run of hundreds of calls over a growing
+context would write calls x context tokens (quadratic; ~700 MB as JSON for 400 calls at
+600K tokens). Here a call record names the earlier call whose ``prompt + output`` its
+prompt extends (``base``) and how many leading tokens they share (``shared``), and stores
+only the rest: the journal grows with the run's unique tokens.
+
+Format 2, binary, little-endian:
+  magic ``MAGIC`` (8 bytes), then records, each
+    header  <I length> <I payload crc32> <B type> <I header crc32 (of the 9 bytes before)>
+    payload ``length`` bytes
+  type 1 run   JSON {"run_id", "task_id", "format": 2}                first record
+  type 2 call  <i base> <i shared> <i n_new> <i n_out> <i policy_version> <B role> <H agent bytes>
+               agent (utf-8), new prompt tokens int32[n_new], output int32[n_out], logprobs float32[n_out]
+  type 3 end   JSON {"status", "reward", "wall_s", "passed"}           last record, once
+Each record is written and ``fsync``'d before the harness acts on the call. A crash tears
+at most the last record: a short header, a payload cut short, or (the data blocks of a
+grown file not yet written) a last record whose payload checksum fails; load ignores such
+a tail and counts its bytes, ``reopen`` cuts it. Damage anywhere else is an error naming
+the file, the record and its byte offset: nothing is skipped silently. Logprobs are stored
+as float32, the dtype the engines produce, so they round-trip exactly.
 """
 from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre_hpc.trees.model import STATUSES, ModelCall
+import numpy as np
 
-FORMAT = 1
+from gyre_hpc.harness.context import TokenContext, common_prefix
+from gyre_hpc.trees.model import ROLE_CODE, ROLES, STATUSES, ModelCall
+
+FORMAT = 2
+MAGIC = b"\x89GYREJ2\n"
+_HEADER = struct.Struct("<IIBI")
+_CALL = struct.Struct("<iiiiiBH")
+RUN, CALL, END = 1, 2, 3
+# How many recent calls (besides each agent's latest) the writer tries as a call's base.
+_BASE_CANDIDATES = 8
 
 
 class JournalError(ValueError):
-    """A journal that cannot be trusted; the message names the file and line."""
+    """A journal that cannot be trusted; the message names the file and record."""
 
 
 @dataclass
@@ -37,105 +59,218 @@ class JournalState:
     reward: float | None = None
     wall_s: float | None = None
     passed: list[bool] | None = None
-    torn_bytes: int = 0           # bytes of a torn last line that load ignored
+    torn_bytes: int = 0           # bytes of a torn last record that load ignored
 
     @property
     def finished(self) -> bool:
         return self.status != "running"
 
 
-def _call_record(call: ModelCall) -> dict:
-    return {"type": "call", "role": call.role, "agent": call.agent, "policy_version": call.policy_version,
-            "prompt": call.prompt.tolist(), "output": call.output.tolist(),
-            "logprobs": [float(x) for x in call.logprobs]}
+def _frame(kind: int, payload: bytes) -> bytes:
+    head = struct.pack("<IIB", len(payload), zlib.crc32(payload), kind)
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+def _records(p: Path, raw: bytes):
+    """(index, offset, type, payload) of each whole record; the torn tail's size last."""
+    at, n = len(MAGIC), 0
+    while at < len(raw):
+        n += 1
+        if len(raw) - at < _HEADER.size:
+            return at
+        length, crc, kind, head_crc = _HEADER.unpack_from(raw, at)
+        if zlib.crc32(raw[at:at + 9]) != head_crc:
+            if not any(raw[at:]):
+                return at  # a grown file whose data never reached the disk: zeros to the end
+            raise JournalError(f"journal {p} record {n} (byte {at}) is damaged: bad header checksum; "
+                               f"only the last record may be torn")
+        end = at + _HEADER.size + length
+        if end > len(raw):
+            return at
+        payload = raw[at + _HEADER.size:end]
+        if zlib.crc32(payload) != crc:
+            if end == len(raw):
+                return at
+            raise JournalError(f"journal {p} record {n} (byte {at}) is damaged: bad payload checksum; "
+                               f"only the last record may be torn")
+        yield n, at, kind, payload
+        at = end
+    return at
+
+
+def _json(p: Path, n: int, payload: bytes) -> dict:
+    try:
+        rec = json.loads(payload)
+    except ValueError as exc:
+        raise JournalError(f"journal {p} record {n}: bad JSON payload ({exc})") from None
+    if not isinstance(rec, dict):
+        raise JournalError(f"journal {p} record {n}: payload is not a JSON object")
+    return rec
+
+
+class _CallDecoder:
+    """Rebuilds calls from (base, shared, new tokens), sharing contexts as the harness does."""
+
+    def __init__(self, p: Path):
+        self.p = p
+        self.seqs: list[TokenContext] = []   # each call's prompt + output
+
+    def decode(self, n: int, payload: bytes) -> ModelCall:
+        p = self.p
+        if len(payload) < _CALL.size:
+            raise JournalError(f"journal {p} record {n}: call record of {len(payload)} bytes is too short")
+        base, shared, n_new, n_out, version, role, agent_len = _CALL.unpack_from(payload)
+        at = _CALL.size
+        if min(n_new, n_out, agent_len) < 0 or len(payload) != at + agent_len + 4 * n_new + 8 * n_out:
+            raise JournalError(f"journal {p} record {n}: bad call record (sizes do not add up)")
+        if role >= len(ROLES):
+            raise JournalError(f"journal {p} record {n}: bad call record (role code {role}; roles are {ROLES})")
+        if not -1 <= base < len(self.seqs):
+            raise JournalError(f"journal {p} record {n}: bad call record (base call {base} of {len(self.seqs)})")
+        if base >= 0 and not 0 <= shared <= len(self.seqs[base]) or base < 0 and shared != 0:
+            raise JournalError(f"journal {p} record {n}: bad call record (shares {shared} tokens with call {base})")
+        agent = payload[at:at + agent_len].decode("utf-8", errors="replace")
+        at += agent_len
+        new = np.frombuffer(payload, np.int32, n_new, at)
+        out = np.frombuffer(payload, np.int32, n_out, at + 4 * n_new)
+        logprobs = np.frombuffer(payload, np.float32, n_out, at + 4 * (n_new + n_out)).copy()
+        prompt = self.seqs[base].prefix(shared).extend(new) if base >= 0 else TokenContext.of(new)
+        seq = prompt.extend(out)
+        self.seqs.append(seq)
+        return ModelCall(prompt.array, seq.array[len(prompt):], logprobs, role=ROLES[role], agent=agent,
+                         policy_version=version)
 
 
 def load_journal(path: str | Path) -> JournalState:
-    """Read a journal; a torn last line is skipped (and counted), any other damage is an error."""
+    """Read a journal; a torn last record is skipped (and counted), any other damage is an error."""
     p = Path(path)
     if not p.is_file():
         raise JournalError(f"journal {p} does not exist")
     raw = p.read_bytes()
-    lines = raw.split(b"\n")
-    tail = lines.pop()           # b"" when the file ends with a newline
-    records: list[dict] = []
-    torn = len(tail)
-    for n, line in enumerate(lines, start=1):
+    if raw[:1] == b"{":
+        raise JournalError(
+            f"journal {p} is in the old JSON-lines format (format 1); this version reads format {FORMAT} "
+            f"(binary, shared contexts) only: finish or discard that run with the version that wrote it")
+    if raw[:len(MAGIC)] != MAGIC:
+        if MAGIC.startswith(raw):
+            raise JournalError(f"journal {p} does not start with a run record (the file is {len(raw)} bytes)")
+        raise JournalError(f"journal {p} is not a gyre journal (no format-{FORMAT} magic at its start)")
+    records = _records(p, raw)
+    decoder = _CallDecoder(p)
+    state: JournalState | None = None
+    while True:
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or "type" not in rec:
-                raise ValueError("not a record")
-        except ValueError as exc:
-            if n == len(lines) and not tail:
-                # a newline made it to disk but the record did not parse: still the torn tail
-                torn = len(line) + 1
-                break
-            raise JournalError(f"journal {p} line {n} is damaged ({exc}); only the last line may be torn") from None
-        records.append(rec)
-    if not records or records[0].get("type") != "run":
-        raise JournalError(f"journal {p} does not start with a run record")
-    head = records[0]
-    state = JournalState(p, str(head.get("run_id", "")), str(head.get("task_id", "")), torn_bytes=torn)
-    for n, rec in enumerate(records[1:], start=2):
+            n, at, kind, payload = next(records)
+        except StopIteration as stop:
+            tail = len(raw) - stop.value
+            break
+        if state is None:
+            if kind != RUN:
+                raise JournalError(f"journal {p} does not start with a run record")
+            head = _json(p, n, payload)
+            state = JournalState(p, str(head.get("run_id", "")), str(head.get("task_id", "")))
+            continue
         if state.finished:
-            raise JournalError(f"journal {p} line {n}: a record after the end record")
-        if rec["type"] == "call":
-            try:
-                state.calls.append(ModelCall(rec["prompt"], rec["output"], rec["logprobs"], role=rec["role"],
-                                             agent=rec["agent"], policy_version=int(rec["policy_version"])))
-            except (KeyError, ValueError, TypeError) as exc:
-                raise JournalError(f"journal {p} line {n}: bad call record ({exc})") from None
-        elif rec["type"] == "end":
+            raise JournalError(f"journal {p} record {n} (byte {at}): a record after the end record")
+        if kind == CALL:
+            state.calls.append(decoder.decode(n, payload))
+        elif kind == END:
+            rec = _json(p, n, payload)
             if rec.get("status") not in STATUSES:
-                raise JournalError(f"journal {p} line {n}: status {rec.get('status')!r} is not one of {STATUSES}")
+                raise JournalError(f"journal {p} record {n}: status {rec.get('status')!r} is not one of {STATUSES}")
             state.status = rec["status"]
             state.reward = float(rec["reward"])
             state.wall_s = float(rec["wall_s"])
             state.passed = list(rec.get("passed") or [])
+        elif kind == RUN:
+            raise JournalError(f"journal {p} record {n} (byte {at}): a second run record")
         else:
-            raise JournalError(f"journal {p} line {n}: unknown record type {rec['type']!r}")
+            raise JournalError(f"journal {p} record {n} (byte {at}): unknown record type {kind}")
+    if state is None:
+        raise JournalError(f"journal {p} does not start with a run record")
+    state.torn_bytes = tail
     return state
 
 
 class JournalWriter:
-    """Appends records with fsync. ``open`` creates a journal or continues an unfinished one."""
+    """Appends records with fsync. ``create`` starts a journal, ``reopen`` continues an unfinished one."""
 
-    def __init__(self, path: Path, fh) -> None:
+    def __init__(self, path: Path, fh, calls: list[ModelCall] = ()) -> None:
         self.path = path
         self._fh = fh
+        self._seqs: list[np.ndarray] = []
+        self._lens: list[int] = []
+        self._last_of_agent: dict[str, int] = {}
+        for call in calls:
+            self._remember(call)
 
     @classmethod
     def create(cls, path: str | Path, run_id: str, task_id: str) -> "JournalWriter":
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         w = cls(p, open(p, "wb"))
-        w._append({"type": "run", "run_id": run_id, "task_id": task_id, "format": FORMAT})
+        w._fh.write(MAGIC)
+        w._append(RUN, json.dumps({"run_id": run_id, "task_id": task_id, "format": FORMAT}).encode())
         return w
 
     @classmethod
     def reopen(cls, state: JournalState) -> "JournalWriter":
-        """Continue an unfinished journal: cut its torn tail first so appends start on a line."""
+        """Continue an unfinished journal: cut its torn tail first so appends start on a record."""
         if state.finished:
             raise JournalError(f"journal {state.path} already ended with status {state.status!r}")
         fh = open(state.path, "r+b")
         if state.torn_bytes:
             fh.truncate(os.path.getsize(state.path) - state.torn_bytes)
         fh.seek(0, os.SEEK_END)
-        return cls(state.path, fh)
+        return cls(state.path, fh, state.calls)
 
-    def _append(self, record: dict) -> None:
-        self._fh.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+    def _append(self, kind: int, payload: bytes) -> None:
+        self._fh.write(_frame(kind, payload))
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
+    def _remember(self, call: ModelCall) -> None:
+        # prompt and output side by side without a copy when they are views of one buffer
+        # (the loader's calls); otherwise kept as the pair and compared piecewise.
+        self._seqs.append((call.prompt, call.output))
+        self._lens.append(call.prompt.size + call.output.size)
+        self._last_of_agent[call.agent] = len(self._seqs) - 1
+
+    def _shared_with(self, k: int, prompt: np.ndarray) -> int:
+        head, tail = self._seqs[k]
+        n = common_prefix(head, prompt)
+        if n == head.size and prompt.size > n:
+            n += common_prefix(tail, prompt[n:])
+        return n
+
+    def _base(self, call: ModelCall) -> tuple[int, int]:
+        """The earlier call sharing the longest prefix with this prompt, among likely ones."""
+        k = len(self._seqs)
+        candidates = dict.fromkeys([self._last_of_agent.get(call.agent, -1), *range(k - 1, k - 1 - _BASE_CANDIDATES, -1)])
+        best, shared = -1, 0
+        for c in sorted((c for c in candidates if c >= 0), key=lambda c: -self._lens[c]):
+            if self._lens[c] <= shared:
+                break  # a shorter sequence cannot share more
+            n = self._shared_with(c, call.prompt)
+            if n > shared:
+                best, shared = c, n
+        return best, shared
+
     def append_call(self, call: ModelCall) -> None:
-        self._append(_call_record(call))
+        base, shared = self._base(call)
+        agent = call.agent.encode()
+        head = _CALL.pack(base, shared, call.prompt.size - shared, call.output.size, call.policy_version,
+                          ROLE_CODE[call.role], len(agent))
+        self._append(CALL, b"".join([head, agent, np.ascontiguousarray(call.prompt[shared:], "<i4").tobytes(),
+                                     np.ascontiguousarray(call.output, "<i4").tobytes(),
+                                     np.ascontiguousarray(call.logprobs, "<f4").tobytes()]))
+        self._remember(call)
 
     def end(self, status: str, reward: float, wall_s: float, passed: list[bool]) -> None:
         if status not in STATUSES:
             raise ValueError(f"status {status!r}: valid statuses are {', '.join(STATUSES)}")
-        self._append({"type": "end", "status": status, "reward": float(reward), "wall_s": float(wall_s),
-                      "passed": [bool(x) for x in passed]})
+        self._append(END, json.dumps({"status": status, "reward": float(reward), "wall_s": float(wall_s),
+                                      "passed": [bool(x) for x in passed]}).encode())
         self.close()
 
     def close(self) -> None:

@@ -32,9 +32,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from gyre_hpc.harness.actions import Action, parse_action
 from gyre_hpc.harness.client import Completion, ModelClient
 from gyre_hpc.harness.confine import Limits
+from gyre_hpc.harness.context import TokenContext
 from gyre_hpc.harness.journal import JournalState, JournalWriter, load_journal
 from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
 from gyre_hpc.harness.tokenizer import ChatFormat, truncate_utf8
@@ -135,7 +138,7 @@ class AgentRun:
         overhead = len(self._summary_request()) + len(self.chat.message("user", "summary: ")) + len(self.gen)
         return self.cfg.context_limit - self.cfg.max_new_tokens - overhead - len(intro)
 
-    def _needs_compression(self, context: list[int]) -> bool:
+    def _needs_compression(self, context: TokenContext) -> bool:
         return len(context) + self.cfg.max_new_tokens + len(self._summary_request()) > self.cfg.context_limit
 
     # ---- the run --------------------------------------------------------------------
@@ -188,18 +191,19 @@ class AgentRun:
             raise RunTimeout()
         return left
 
-    async def _call(self, prompt: list[int], role: str, agent: str) -> Completion:
+    async def _call(self, context: TokenContext, role: str, agent: str) -> Completion:
         remaining = self._remaining()
         k = len(self.calls)
+        prompt = context.array  # a view of the shared context buffer, not a copy
         if k < len(self.replay):
             rec = self.replay[k]
-            if rec.prompt.tolist() != prompt or rec.role != role or rec.agent != agent:
+            if not np.array_equal(rec.prompt, prompt) or rec.role != role or rec.agent != agent:
                 raise ReplayDiverged(f"call {k}: the replayed prompt differs from the journal")
             comp = Completion(tuple(rec.output.tolist()), tuple(rec.logprobs.tolist()), rec.policy_version)
             self.calls.append(rec)
             return comp
         try:
-            comp = await asyncio.wait_for(self.client.complete(prompt, self.cfg.max_new_tokens, self.chat.stop_ids()),
+            comp = await asyncio.wait_for(self.client.complete(prompt.tolist(), self.cfg.max_new_tokens, self.chat.stop_ids()),
                                           remaining)
         except asyncio.TimeoutError:
             raise RunTimeout() from None
@@ -209,17 +213,17 @@ class AgentRun:
         self.calls.append(call)
         return comp
 
-    async def _compress(self, context: list[int], intro: list[int], agent: str) -> list[int]:
-        base = context[:-len(self.gen)]   # the context without its open assistant turn
-        comp = await self._call(base + self._summary_request(), "summary", agent)
+    async def _compress(self, context: TokenContext, intro: list[int], agent: str) -> TokenContext:
+        base = context.prefix(len(context) - len(self.gen))   # the context without its open assistant turn
+        comp = await self._call(base.extend(self._summary_request()), "summary", agent)
         self.compressions += 1
         kept = self.tokenizer.encode(self.chat.text(comp.output))[: max(self._summary_budget(intro), 0)]
-        return intro + self.chat.message("user", "summary: " + self.chat.text(kept)) + self.gen
+        return TokenContext.of(intro + self.chat.message("user", "summary: " + self.chat.text(kept)) + self.gen)
 
     async def _agent(self, agent: str, role: str, intro: list[int], max_turns: int) -> str:
         """Run one agent's turns; returns its finish message (what a parent sees)."""
-        anchor = intro + self.gen
-        context = list(anchor)
+        # Contexts share one growing buffer (context.py): a call's prompt is a view, not a copy.
+        anchor = context = TokenContext.of(intro + self.gen)
         for _ in range(max_turns):
             if self._needs_compression(context):
                 context = anchor = await self._compress(context, intro, agent)
@@ -230,15 +234,15 @@ class AgentRun:
                 report = await self._check()
                 if report.score < 1.0 and self.retries < self.cfg.max_retries:
                     self.retries += 1
-                    context = (anchor[:-len(self.gen)] + self.chat.message("user", f"retry {self.retries}: "
-                                                                           + report.summary()) + self.gen)
+                    context = anchor.prefix(len(anchor) - len(self.gen)).extend(
+                        self.chat.message("user", f"retry {self.retries}: " + report.summary()) + self.gen)
                     continue
                 return result
             if finished:
                 return result
             shown = truncate_utf8(result, self.cfg.tool_output_bytes)
-            context = (context + list(comp.output) + self.chat.end_of_turn(comp.output)
-                       + self.chat.tool_result(shown) + self.gen)
+            context = context.extend(list(comp.output) + self.chat.end_of_turn(comp.output)
+                                     + self.chat.tool_result(shown) + self.gen)
         return "turn budget spent"
 
     async def _check(self) -> CheckReport:

@@ -262,7 +262,7 @@ class RLController:
 
     async def _agent(self, spec: RunSpec, st: StepState) -> None:
         client: CountingRunClient = self.driver.client(spec.run_id, spec.seed)
-        args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.jsonl",
+        args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.journal",
                 self.harness_cfg)
         rc = self.cfg.rollout
         if rc.tool_latency_s > 0:

@@ -30,7 +30,8 @@ from gyre_hpc.config import RunConfig
 from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
 from gyre_hpc.models.decoder import CausalLM, build_model
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer, load_tokenizer
-from gyre_hpc.trees.loss import StepWeights, packed_loss
+from gyre_hpc.trees.chunked import backward_packed
+from gyre_hpc.trees.loss import StepWeights
 from gyre_hpc.trees.packing import PackedRow, collate
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -107,9 +108,10 @@ class RLTrainer:
     # ---- training -----------------------------------------------------------------------
     def train_micro_batch(self, mb: MicroBatch) -> MicroResult:
         batch = collate(list(mb.rows))
-        loss = packed_loss(self.model, batch, mb.weights(), self.cfg.train.clip_eps, self.cfg.train.attention)
-        loss.backward()
-        return MicroResult(loss=float(loss.detach()), tokens=mb.loss_tokens)
+        # A row longer than train.row_tokens (a tree deeper than a row) trains in chunks of it.
+        loss = backward_packed(self.model, batch, mb.weights(), self.cfg.train.clip_eps, self.cfg.train.attention,
+                               chunk_tokens=self.cfg.train.row_tokens)
+        return MicroResult(loss=loss, tokens=mb.loss_tokens)
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params]

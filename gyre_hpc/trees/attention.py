@@ -10,11 +10,9 @@ kernels implement it behind one switch (``train.attention``):
 * ``sdpa``: ``scaled_dot_product_attention`` per block of queries, over only the keys
   that block can reach (its ancestors and itself, gathered), with a boolean mask of
   ``block x K`` entries, K ~ path depth + block: never T x T, and the cost follows the
-  tree rather than the row length. The masks depend only on the row layout, so they are
-  built once per batch and shared by every layer; kept for backward they total T x K
-  bools. ``recompute_masks=True`` instead runs each block under activation checkpointing,
-  so only one block's mask and gathered keys exist at a time, for about 1.5x the
-  attention time (measured on this CPU). The CPU path.
+  tree rather than the row length. Backward recomputes each block (activation
+  checkpointing per block), so neither the masks nor the block x K probabilities are
+  kept: memory linear in the row length. The CPU path.
 * ``auto``: flex on CUDA, sdpa elsewhere.
 
 Both are ``attention_fn(q, k, v)`` objects for :class:`gyre_hpc.models.tiny_lm.TinyLM`,
@@ -84,47 +82,155 @@ def tree_mask_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
     return visible[:, None]
 
 
-def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int, key_index: torch.Tensor,
-                  key_valid: torch.Tensor, mask: torch.Tensor | None,
-                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _block_keys(subtree_end: torch.Tensor, q_start: int, q_end: int, k: torch.Tensor, v: torch.Tensor):
+    """The keys and values queries [q_start, q_end) can reach, the block's additive mask, the gather index.
+
+    On one path (or wherever every key before the block is an ancestor of all its queries)
+    the reachable keys are the prefix [0, q_end): sliced as views (index None), and only the
+    block's own square of the mask needs the interval test; the rest is zeros. Otherwise the
+    reachable keys are gathered and the whole mask is computed.
+    """
+    index, valid = tree_key_index(subtree_end, q_start, q_end)
+    if k.shape[0] == 1 and index.shape[1] == q_end:
+        if q_start == 0 or int(subtree_end[0, :q_start].min()) >= q_end:
+            mask = torch.zeros((1, 1, q_end - q_start, q_end), dtype=k.dtype, device=k.device)
+            own = torch.arange(q_start, q_end, device=k.device)[None]
+            mask[..., q_start:] = _additive(tree_mask_block(subtree_end, q_start, q_end, own), k.dtype)
+        else:
+            mask = _additive(tree_mask_block(subtree_end, q_start, q_end), k.dtype)
+        return k[:, :, :q_end], v[:, :, :q_end], mask, None
     B, H, _, D = k.shape
-    gather = key_index[:, None, :, None].expand(B, H, key_index.shape[1], D)
-    if mask is None:
-        mask = tree_mask_block(subtree_end, q_start, q_end, key_index, key_valid)
-    return F.scaled_dot_product_attention(q, k.gather(2, gather), v.gather(2, gather), attn_mask=mask)
+    gather = index[:, None, :, None].expand(B, H, index.shape[1], D)
+    mask = _additive(tree_mask_block(subtree_end, q_start, q_end, index, valid), k.dtype)
+    return k.gather(2, gather), v.gather(2, gather), mask, gather
+
+
+def _attend_block(subtree_end: torch.Tensor, q_start: int, q_end: int,
+                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Queries [q_start, q_end) over the keys they can reach; everything here is recomputable.
+
+    Key selection and mask are made here, not kept per block: kept for every block they
+    would total T^2/block indices, and under checkpointing they are rebuilt in backward.
+    """
+    kb, vb, mask, _ = _block_keys(subtree_end, q_start, q_end, k, v)
+    return F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask)
+
+
+class _FlashTreeAttention(torch.autograd.Function):
+    """Blocked tree attention keeping only the output and log-sum-exp for backward (CPU).
+
+    The same flash kernels SDPA uses on CPU (bitwise the same forward), called per block:
+    forward keeps q, k, v (alive anyway), the output and one log-sum-exp per query: O(T).
+    Backward rebuilds each block's keys and mask and lets the flash backward kernel
+    recompute its probabilities from the log-sum-exp, so nothing is computed twice except
+    those masks and gathers: no second forward as checkpointing would need.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, subtree_end, offset: int, block: int):
+        Lq = q.shape[2]
+        out = torch.empty_like(q)
+        lse = None
+        for qs in range(offset, offset + Lq, block):
+            qe = min(offset + Lq, qs + block)
+            kb, vb, mask, _ = _block_keys(subtree_end, qs, qe, k, v)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, qs - offset:qe - offset], kb, vb, 0.0, False, attn_mask=mask)
+            if lse is None:
+                lse = torch.empty(q.shape[:3], dtype=l.dtype, device=q.device)
+            out[:, :, qs - offset:qe - offset] = o
+            lse[:, :, qs - offset:qe - offset] = l
+        ctx.save_for_backward(q, k, v, subtree_end, out, lse)
+        ctx.offset, ctx.block = offset, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, subtree_end, out, lse = ctx.saved_tensors
+        offset, block, Lq = ctx.offset, ctx.block, q.shape[2]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qs in range(offset, offset + Lq, block):
+            qe = min(offset + Lq, qs + block)
+            sl = slice(qs - offset, qe - offset)
+            kb, vb, mask, gather = _block_keys(subtree_end, qs, qe, k, v)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out[:, :, sl].contiguous(), q[:, :, sl], kb, vb, out[:, :, sl], lse[:, :, sl], 0.0, False,
+                attn_mask=mask)
+            dq[:, :, sl] = gq
+            if gather is None:
+                dk[:, :, :qe] += gk
+                dv[:, :, :qe] += gv
+            else:  # padded key slots are masked out everywhere, so their gradient is 0
+                dk.scatter_add_(2, gather, gk)
+                dv.scatter_add_(2, gather, gv)
+        return dq, dk, dv, None, None, None
+
+
+def _expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: repeat each KV head for the query heads that share it."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"tree attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 class SdpaTreeAttention:
-    """Query-blocked SDPA over each block's reachable keys; records the largest mask block."""
+    """Query-blocked SDPA over each block's reachable keys, its backward recomputing each block.
 
-    def __init__(self, subtree_end: torch.Tensor, block: int = 128, recompute_masks: bool = False):
+    Memory. Left to autograd, each block keeps its gathered keys and values and its mask
+    for backward: K x d and block x K values with K up to the path depth, T^2 over a long path
+    (8.8 GB at 32K tokens for the tiny model). With ``recompute=True`` (the default) nothing
+    per block is kept: on CPU a flash-style autograd function (``_FlashTreeAttention``) keeps
+    the output and one log-sum-exp per query and rebuilds each block's keys and mask in
+    backward, where the flash kernel recomputes the probabilities; elsewhere each block runs
+    under activation checkpointing (one more forward per block). Either way memory is linear
+    in the row length. ``recompute=False`` leaves it to autograd (short rows only).
+
+    Chunks. Called with fewer queries than keys (``q`` [B, H, Lq, D], ``k`` [B, H, S, D]),
+    the queries are rows [S - Lq, S) of the row and the keys rows [0, S): the last chunk of a
+    long row attending to its earlier chunks' keys (see :mod:`gyre_hpc.trees.chunked`).
+    """
+
+    def __init__(self, subtree_end: torch.Tensor, block: int = 128, recompute: bool = True):
         if block < 1:
             raise ValueError(f"SdpaTreeAttention block={block} must be >= 1")
-        self.subtree_end, self.block, self.recompute_masks = subtree_end, block, recompute_masks
-        self.largest_mask_block: tuple[int, ...] = ()
-        L = subtree_end.shape[1]
-        # Keys and masks depend only on the row layout: once per batch, shared by all layers.
-        self._blocks = []
-        for qs in range(0, L, block):
-            qe = min(L, qs + block)
-            index, valid = tree_key_index(subtree_end, qs, qe)
-            mask = None if recompute_masks else tree_mask_block(subtree_end, qs, qe, index, valid)
-            self._blocks.append((qs, qe, index, valid, mask))
-            shape = (subtree_end.shape[0], 1, qe - qs, index.shape[1])
-            largest = self.largest_mask_block
-            if not largest or shape[2] * shape[3] > largest[2] * largest[3]:
-                self.largest_mask_block = shape
+        self.subtree_end, self.block, self.recompute = subtree_end, block, recompute
+
+    @property
+    def largest_mask_block(self) -> tuple[int, ...]:
+        """Shape [B, 1, queries, keys] of the largest block mask the row needs (never T x T)."""
+        B, L = self.subtree_end.shape
+        largest: tuple[int, ...] = ()
+        for qs in range(0, L, self.block):
+            qe = min(L, qs + self.block)
+            n_keys = int((self.subtree_end[:, :qe] > qs).sum(dim=1).max())
+            if not largest or (qe - qs) * n_keys > largest[2] * largest[3]:
+                largest = (B, 1, qe - qs, n_keys)
+        return largest
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        L = q.shape[2]
-        if k.shape[2] != L or L != self.subtree_end.shape[1]:
+        Lq, S = q.shape[2], k.shape[2]
+        if Lq > S or S > self.subtree_end.shape[1]:
             raise ValueError(
-                f"tree attention expects no KV cache and {self.subtree_end.shape[1]} tokens: "
-                f"got {L} queries, {k.shape[2]} keys")
+                f"tree attention over a row of {self.subtree_end.shape[1]} tokens: got {Lq} queries and "
+                f"{S} keys (queries must be the last of the keys, no more keys than the row)")
+        k, v = _expand_kv_heads(q, k, v)
+        offset = S - Lq
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if needs_grad and self.recompute and q.device.type == "cpu":
+            return _FlashTreeAttention.apply(q, k, v, self.subtree_end, offset, self.block)
+        checkpointed = needs_grad and self.recompute
         outs = []
-        for qs, qe, index, valid, mask in self._blocks:
-            args = (self.subtree_end, qs, qe, index, valid, mask, q[:, :, qs:qe], k[:, :, :qe], v[:, :, :qe])
-            if self.recompute_masks and torch.is_grad_enabled():
+        for qs in range(offset, S, self.block):
+            qe = min(S, qs + self.block)
+            args = (self.subtree_end, qs, qe, q[:, :, qs - offset:qe - offset], k[:, :, :qe], v[:, :, :qe])
+            if checkpointed:
                 outs.append(checkpoint(_attend_block, *args, use_reentrant=False))
             else:
                 outs.append(_attend_block(*args))
@@ -143,27 +249,38 @@ def _compiled_flex():
 
 
 class FlexTreeAttention:
-    """flex_attention with a BlockMask from the interval test, built once per batch."""
+    """flex_attention with a BlockMask from the interval test, built once per batch (or chunk).
 
-    def __init__(self, subtree_end: torch.Tensor, compile: bool | None = None):
+    With ``q_len`` < ``kv_len`` the queries are rows [kv_len - q_len, kv_len): a chunk of a long
+    row over its earlier chunks' keys. flex_attention keeps only the output and the per-query
+    log-sum-exp for backward, so its memory is linear in the row length.
+    """
+
+    def __init__(self, subtree_end: torch.Tensor, compile: bool | None = None,
+                 q_len: int | None = None, kv_len: int | None = None):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         self.subtree_end = subtree_end
         B, L = subtree_end.shape
+        kv_len = L if kv_len is None else kv_len
+        q_len = kv_len if q_len is None else q_len
+        offset = kv_len - q_len
 
         def tree_mask(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
+            q_row = q_idx + offset
+            return (kv_idx <= q_row) & (q_row < subtree_end[b, kv_idx])
 
-        self.block_mask = create_block_mask(tree_mask, B, None, L, L, device=subtree_end.device)
+        self.block_mask = create_block_mask(tree_mask, B, None, q_len, kv_len, device=subtree_end.device)
         use_compiled = subtree_end.device.type == "cuda" if compile is None else compile
         self._flex = _compiled_flex() if use_compiled else flex_attention
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self._flex(q, k, v, block_mask=self.block_mask)
+        return self._flex(q, k, v, block_mask=self.block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def tree_attention(backend: str, subtree_end: torch.Tensor, needs_grad: bool = True, block: int = 128):
-    """The attention_fn for one packed batch, by ``train.attention`` name."""
+def tree_attention(backend: str, subtree_end: torch.Tensor, needs_grad: bool = True, block: int = 128,
+                   q_len: int | None = None, kv_len: int | None = None):
+    """The attention_fn for one packed batch (or one chunk of it), by ``train.attention`` name."""
     name = resolve_backend(backend, subtree_end.device, needs_grad)
     if name == "flex":
-        return FlexTreeAttention(subtree_end)
+        return FlexTreeAttention(subtree_end, q_len=q_len, kv_len=kv_len)
     return SdpaTreeAttention(subtree_end, block=block)

@@ -24,6 +24,9 @@ lists the targets the ``shared_targets`` rule keeps (``Tree.targets``): ``sample
 token), ``sample_logprobs`` (that sample's behaviour logprob) and ``sample_run`` (index of its
 run among all runs of the units given to ``pack``: unit k's runs start after the ``n_runs`` of
 units before it, so with plain trees it is the tree's index). The loss scores each sample.
+
+Deep trees. A tree with a path longer than the row budget is not split at all: it is one
+row of its own, trained in chunks of the budget (see :func:`pack`).
 """
 from __future__ import annotations
 
@@ -132,7 +135,13 @@ class _RowBuilder:
 
 def pack(trees: Sequence[Tree], row_tokens: int, shared_targets: str = "per_sample") -> list[PackedRow]:
     """Trees (or group forests) depth-first into rows of at most ``row_tokens`` tokens, with
-    the targets of the ``shared_targets`` rule (see module docstring)."""
+    the targets of the ``shared_targets`` rule (see module docstring).
+
+    A tree with a path deeper than ``row_tokens`` gets one row of its own holding the whole
+    tree, longer than ``row_tokens``: split rows would each repeat the deep ancestors, so
+    the tokens packed would grow with depth x rows. Such a row trains in chunks of
+    ``row_tokens`` (:func:`gyre_hpc.trees.chunked.backward_packed`), exactly.
+    """
     if row_tokens < 2:
         raise ValueError(f"pack row_tokens={row_tokens} must be >= 2")
     if shared_targets not in SHARED_TARGETS:
@@ -146,6 +155,15 @@ def pack(trees: Sequence[Tree], row_tokens: int, shared_targets: str = "per_samp
     rows: list[PackedRow] = []
     row = _RowBuilder(trees, depths, targets)
     for r, tree in enumerate(trees):
+        if tree.n_nodes and int((depths[r] + tree.node_len).max()) > row_tokens:
+            if row.length:
+                rows.append(row.finish())
+                row = _RowBuilder(trees, depths, targets)
+            for node in range(tree.n_nodes):
+                row.add(_Span(r, node, int(tree.node_len[node]), owned=True))
+            rows.append(row.finish())
+            row = _RowBuilder(trees, depths, targets)
+            continue
         for node in range(tree.n_nodes):
             need = int(tree.node_len[node])
             if row.length + need > row_tokens:
@@ -156,10 +174,6 @@ def pack(trees: Sequence[Tree], row_tokens: int, shared_targets: str = "per_samp
                     rows.append(row.finish())
                 row = _RowBuilder(trees, depths, targets)
                 _add_context(row, tree, r, node)
-                if row.length + need > row_tokens:
-                    raise ValueError(
-                        f"pack: run {tree.run_id!r} has a path of {row.length + need} tokens (node {node}), "
-                        f"more than row_tokens={row_tokens}; raise train.row_tokens")
             row.add(_Span(r, node, need, owned=True))
     if row.length:
         rows.append(row.finish())

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from gyre_hpc.harness.actions import format_action, parse_action
-from gyre_hpc.harness.journal import load_journal
+from gyre_hpc.harness.journal import CALL, JournalWriter, _frame, load_journal
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import load_suite
 from gyre_hpc.harness.tokenizer import ChatFormat, encode, split_bytes
@@ -80,7 +81,7 @@ def test_crashed_run_resumes_by_replay_without_asking_the_model_again(tmp_path):
     state = load_journal(tmp_path / "r.jsonl")
     assert state.status == "running" and len(state.calls) == 4
     with open(tmp_path / "r.jsonl", "ab") as f:
-        f.write(b'{"type":"call","pro')            # the crash also tore a line
+        f.write(_frame(CALL, bytes(64))[:30])       # the crash also tore a record
     fresh = ScriptClient()
     r = _run(tmp_path, fresh)
     assert r.replayed == 4 and len(fresh.prompts) == 3     # only the calls after the crash
@@ -95,9 +96,12 @@ def test_resume_that_diverges_restarts_cleanly(tmp_path):
     with pytest.raises(Crash):
         _run(tmp_path, CrashAfter(2))
     path = tmp_path / "r.jsonl"
-    lines = path.read_text().splitlines()
-    lines[1] = lines[1].replace('"prompt":[1,', '"prompt":[1,1,', 1)   # not what the loop will ask
-    path.write_text("\n".join(lines) + "\n")
+    calls = load_journal(path).calls
+    w = JournalWriter.create(path, "r", HI_TASK.task_id)
+    first = calls[0]
+    w.append_call(replace(first, prompt=np.insert(first.prompt, 1, 1)))   # not what the loop will ask
+    w.append_call(calls[1])
+    w.close()
     fresh = ScriptClient()
     r = _run(tmp_path, fresh)
     assert r.replayed == 0 and len(fresh.prompts) == 7 and r.reward == 1.0
@@ -198,3 +202,12 @@ def test_harness_config_names_a_bad_field():
         HarnessConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="HarnessConfig.max_retries=-1"):
         HarnessConfig(max_retries=-1)
+
+
+def test_calls_of_one_context_share_its_buffer_instead_of_copying_prompts(tmp_path):
+    r = _run(tmp_path, ScriptClient(), cfg=HarnessConfig(max_new_tokens=24, context_limit=2048))
+    main = [c for c in r.calls if c.role == "main"]
+    # The first main call's context grew into the second's in place: one buffer, two views.
+    assert main[1].prompt.size > main[0].prompt.size
+    assert np.shares_memory(main[0].prompt, main[1].prompt)
+    assert not main[0].prompt.flags.writeable

@@ -96,12 +96,22 @@ def test_single_paths_pack_without_repeating_anything(make_journal):
     assert sum(r.n_tokens for r in rows) == sum(c.prompt.size + c.output.size for c in journal)
 
 
-def test_path_deeper_than_a_row_is_refused_by_name():
-    tree = build_tree([ModelCall(list(range(10)), [1], [-1])], run_id="deep")
-    with pytest.raises(ValueError, match="run 'deep'.*row_tokens=8"):
-        pack([tree], 8)
+def test_tree_with_a_path_deeper_than_a_row_gets_one_whole_row(make_journal):
+    deep = build_tree([ModelCall(list(range(10)), [1], [-1]), ModelCall(list(range(10)), [2, 3], [-1, -2])],
+                      run_id="deep")
+    small = build_tree([ModelCall([4], [5], [-0.5])])
+    rows = pack([small, deep, small], 8)
+    # The deep tree is not split (split rows would repeat its ancestors): one row of 13 tokens.
+    assert [r.n_tokens for r in rows] == [2, 13, 2]
+    np.testing.assert_array_equal(rows[1].input_ids, list(range(10)) + [1, 2, 3])
+    np.testing.assert_array_equal(rows[1].loss_mask, [0] * 10 + [1, 1, 1])
+    np.testing.assert_array_equal(rows[1].pred_index[10:], [9, 9, 11])
+    trees = [build_tree(make_journal(s)) for s in range(2)]
+    shallowest = min(max(t.path(c).size for c in range(t.n_paths)) for t in trees)
+    rows = pack(trees, shallowest - 1)
+    assert [r.n_tokens for r in rows] == [t.n_tokens for t in trees]
     with pytest.raises(ValueError, match="row_tokens=1 must be >= 2"):
-        pack([tree], 1)
+        pack([deep], 1)
 
 
 def test_collate_pads_with_tokens_that_see_only_themselves():

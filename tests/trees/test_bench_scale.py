@@ -1,0 +1,48 @@
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gyre_hpc.bench.scale import command, growth_exponent, json_journal_bytes
+from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_journal
+
+
+def test_growth_exponent_is_the_log_log_slope():
+    x = np.array([1e3, 2e3, 4e3, 8e3])
+    assert abs(growth_exponent(x, 3 * x) - 1) < 1e-12
+    assert abs(growth_exponent(x, x**2) - 2) < 1e-12
+    assert growth_exponent([1e3], [1.0]) is None and growth_exponent(x, [0, 1, 2, 3]) is None
+
+
+def test_json_baseline_is_the_exact_size_of_the_old_format():
+    calls = synthetic_journal(SyntheticConfig(n_calls=12), seed=4)
+    old = sum(len(json.dumps({"type": "call", "role": c.role, "agent": c.agent, "policy_version": c.policy_version,
+                              "prompt": c.prompt.tolist(), "output": c.output.tolist(),
+                              "logprobs": [float(x) for x in c.logprobs]}, separators=(",", ":"))) + 1 for c in calls)
+    assert json_journal_bytes(calls) == old
+
+
+@pytest.mark.slow  # a dozen spawned processes importing torch: ~1 min on a busy 2-core box
+def test_quick_bench_prints_figures_with_growth_exponents():
+    result = CliRunner().invoke(command, ["--json", "--quick", "--calls", "6,12", "--train-tokens", "1848,3348",
+                                          "--chunked-tokens", "1848", "--chunk", "512"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)  # stderr carries the per-measurement log
+    runs = out["runs"]
+    assert [r["calls"] for r in runs] == [6, 12] and all(r["store_read_exact"] for r in runs)
+    assert all(r["loaded_calls"] == r["calls"] for r in runs)
+    assert all(r["json_journal_bytes"] > 2 * r["journal_bytes"] for r in runs)
+    series = out["runs_vs_unique_tokens"]["journal_bytes"]
+    assert series["values"] == [r["journal_bytes"] for r in runs] and series["growth_exponent"] < 1.5
+    whole, chunked = out["training"]["whole"], out["training"]["chunked"]
+    assert [r["tokens"] for r in whole] == [1848, 3348] and chunked[0]["tokens"] == 1848
+    assert all(r["grad_finite"] and r["step_s"] > 0 and r["attention_bound_s"] > 0 for r in whole + chunked)
+    # The same path gives the same loss whole and in chunks.
+    assert abs(chunked[0]["loss"] - whole[0]["loss"]) <= 1e-5 * abs(whole[0]["loss"])
+    assert out["training_vs_tokens"]["whole"]["peak_mem_mb"]["growth_exponent"] is not None
+
+
+def test_bad_sizes_are_named():
+    result = CliRunner().invoke(command, ["--calls", "5,x"])
+    assert result.exit_code != 0 and "--calls" in result.output
