@@ -142,6 +142,13 @@ class SuperviseConfig(_Section):
     poll_s: float = Field(0.5, gt=0)
 
 
+class MetricsConfig(_Section):
+    """Where the run's figures go besides ``metrics.h5`` (always written; it stays the source)."""
+    tensorboard: bool = Field(
+        False, description="also write the per-step and engine figures as TensorBoard event files "
+                           "under <run_dir>/tensorboard/")
+
+
 class RunConfig(_Section):
     name: str = "gyre"
     run_dir: str = "runs/gyre"
@@ -157,6 +164,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @field_validator("run_dir")
     @classmethod

@@ -23,3 +23,5 @@ if [ "$extras" = "test" ]; then
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import vllm, transformers, torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 fi
+# metrics.tensorboard writes through torch.utils.tensorboard: the base install must carry it.
+.venv/bin/python -c "import torch.utils.tensorboard"

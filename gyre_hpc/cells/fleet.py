@@ -26,6 +26,7 @@ from gyre_hpc.cells.workload import SubstrateWorkload, Workload
 from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, recover_unclosed
+from gyre_hpc.rundir.tensorboard import TensorBoardMirror, run_origin_s
 from gyre_hpc.sched.state import Policy, Role
 
 WorkloadFactory = Callable[[RunConfig, int], Workload]
@@ -93,13 +94,16 @@ def start_fleet(run_dir: str | Path, world: MPI.Intracomm,
                       train_comm=comms.split_train_comm(world, cells))
 
 
-def open_fleet_metrics(run: RunDir) -> MetricsWriter:
+def open_fleet_metrics(run: RunDir, cfg: RunConfig) -> MetricsWriter:
     """The controller's metrics writer; repairs a file a killed fleet left flagged as open.
 
     Nobody else writes while the fleet starts, so reopening here is safe whoever launched us.
+    With ``metrics.tensorboard`` the step and engine rows also go to ``<run_dir>/tensorboard/``.
     """
     recovered = recover_unclosed(run.metrics)
-    metrics = MetricsWriter(run.metrics)
+    mirror = TensorBoardMirror(run.tensorboard, run_origin_s(run.metrics, time.time())) \
+        if cfg.metrics.tensorboard else None
+    metrics = MetricsWriter(run.metrics, mirror=mirror)
     if recovered:
         metrics.event("metrics_recovered", detail="previous writer died; rows copied to a fresh file")
     return metrics
@@ -114,7 +118,7 @@ def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
     if rank == CONTROLLER_RANK:
         run.make()
         policy = options.policy or resolve_policy(cfg)
-        with open_fleet_metrics(run) as metrics:
+        with open_fleet_metrics(run, cfg) as metrics:
             start = fs.start_step
             metrics.event("fleet_resume" if meta else "fleet_start", step=start,
                           detail=f"from {latest.name}" if latest else "fresh")

@@ -30,7 +30,7 @@ from gyre_hpc.rundir.layout import RunDir
 
 # What a resume may change: sections that say how and where the run is carried out, not what it
 # computes; and ``train.steps`` upwards (checked separately).
-RESUMABLE_PREFIXES = ("supervise.", "slurm.", "launcher", "name")
+RESUMABLE_PREFIXES = ("supervise.", "slurm.", "metrics.", "launcher", "name")
 
 
 class RunDirInUse(RuntimeError):
@@ -146,5 +146,5 @@ def check_rerun(run: RunDir, cfg: RunConfig, stored: RunConfig | None) -> None:
     if changed:
         raise RunDirInUse(
             f"run directory {run.root} holds a run with another config; changed: {'; '.join(changed)}. "
-            f"A resume may only raise train.steps or change supervise.*, slurm.*, launcher, name; "
+            f"A resume may only raise train.steps or change supervise.*, slurm.*, metrics.*, launcher, name; "
             f"start a new run with --set run_dir=<new directory>")

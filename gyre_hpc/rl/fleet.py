@@ -77,7 +77,7 @@ def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions()
         run.make()
         policy = options.policy or resolve_policy(cfg)
         missing_rows = restore_step_rows(latest, run.metrics) if latest is not None else []
-        with open_fleet_metrics(run) as metrics, TreeStore.open(run.trees, "a") as store:
+        with open_fleet_metrics(run, cfg) as metrics, TreeStore.open(run.trees, "a") as store:
             metrics.append(missing_rows)
             start = fs.start_step
             trained_upto = int(meta.extra.get("trained_upto", 0)) if meta else 0

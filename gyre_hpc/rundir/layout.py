@@ -26,6 +26,11 @@ class RunDir:
         return self.root / "metrics.h5"
 
     @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files mirroring metrics.h5's steps and engines (metrics.tensorboard)."""
+        return self.root / "tensorboard"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

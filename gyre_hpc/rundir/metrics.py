@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import h5py
 import numpy as np
@@ -111,11 +111,20 @@ _ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", E
               RunRow: "runs"}
 
 
+class RowMirror(Protocol):
+    """A second destination for the rows (TensorBoard); it sees each row after metrics.h5 has it."""
+
+    def append(self, rows: list) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
     """Single writer of ``metrics.h5``; appends rows and flushes so SWMR readers see them."""
 
-    def __init__(self, path: str | Path, attrs: dict[str, Any] | None = None):
+    def __init__(self, path: str | Path, attrs: dict[str, Any] | None = None, mirror: RowMirror | None = None):
         self.path = Path(path)
+        self._mirror = mirror
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = h5py.File(self.path, "a", libver="latest")
         for table, cols in TABLES.items():
@@ -129,6 +138,7 @@ class MetricsWriter:
         self._f.swmr_mode = True
 
     def append(self, rows: Iterable[TimelineRow | StepRow | EngineRow | EventRow | RunRow]) -> None:
+        rows = list(rows)
         by_table: dict[str, list] = {}
         for row in rows:
             by_table.setdefault(_ROW_TABLE[type(row)], []).append(row)
@@ -144,6 +154,8 @@ class MetricsWriter:
                     values = [str(v).encode()[:width] for v in values]
                 ds[n:] = values
                 ds.flush()
+        if self._mirror is not None:
+            self._mirror.append(rows)
 
     def add(self, row: TimelineRow | StepRow | EngineRow | EventRow | RunRow) -> None:
         self.append([row])
@@ -155,6 +167,9 @@ class MetricsWriter:
         if self._f:
             self._f.close()
             self._f = None
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None
 
     def __enter__(self) -> "MetricsWriter":
         return self

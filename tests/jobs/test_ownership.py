@@ -72,7 +72,8 @@ def test_a_rerun_with_a_changed_config_is_refused_listing_the_fields(tmp_path):
     assert config_changes(first, fewer) == ["train.steps: 4 -> 2"]
     # what a resume may change: more steps, supervision, where it runs
     more = first.model_copy(update={"train": first.train.model_copy(update={"steps": 9}), "launcher": "slurm",
-                                    "supervise": first.supervise.model_copy(update={"max_relaunches": 7})})
+                                    "supervise": first.supervise.model_copy(update={"max_relaunches": 7}),
+                                    "metrics": first.metrics.model_copy(update={"tensorboard": True})})
     assert config_changes(first, more) == []
     check_rerun(run, more, first)
     with pytest.raises(RunDirInUse):
