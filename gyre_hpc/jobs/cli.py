@@ -29,6 +29,9 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
     from gyre_hpc.rundir.layout import RunDir
 
     cfg = _load(config, overrides)
+    if cfg.workload == "rl" and cfg.warmstart.enabled:
+        from gyre_hpc.warmstart.cache import with_warmstart
+        cfg = with_warmstart(cfg, log=click.echo)
     if cfg.workload == "rl":
         from gyre_hpc.rl.progress import progress_display
         with progress_display(cfg):
