@@ -43,9 +43,15 @@ def _tasks(cfg: RunConfig):
     return tasks
 
 
+def teacher_harness(cfg: RunConfig) -> HarnessConfig:
+    """The run's harness settings, without its wall clock: a teacher run is never cut short
+    (on a loaded machine it would be, and the checkpoint would depend on the load)."""
+    return dataclasses.replace(HarnessConfig.from_rollout(cfg.rollout), run_timeout_s=3600.0)
+
+
 def warmstart_key(cfg: RunConfig) -> str:
     tasks = _tasks(cfg)
-    harness = HarnessConfig.from_rollout(cfg.rollout)
+    harness = teacher_harness(cfg)
     model = build_model(cfg.model.preset, seed=cfg.seed)
     fingerprint = {
         "recipe": RECIPE_VERSION,
@@ -62,9 +68,11 @@ def warmstart_key(cfg: RunConfig) -> str:
 
 def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
     """Teacher runs -> SFT -> HF checkpoint in ``out``; returns the report written beside it."""
-    torch.manual_seed(cfg.seed)
+    # One thread unless told otherwise, as the fleet's ranks: on shared cores more threads
+    # than cores make every step slower (measured 12x on a loaded 2-core machine).
+    torch.set_num_threads(int(os.environ.get("GYRE_TORCH_THREADS", "1")))
     t0 = time.perf_counter()
-    harness = HarnessConfig.from_rollout(cfg.rollout)
+    harness = teacher_harness(cfg)
     ws = cfg.warmstart
     runs = teacher_runs(_tasks(cfg), ws.runs_per_task, harness, seed=cfg.seed)
     teacher = runs.stats()

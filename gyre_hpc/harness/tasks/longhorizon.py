@@ -15,6 +15,10 @@ written at all.
 Each task carries a ``Playbook``: the solution and the detours a scripted teacher
 (``gyre_hpc.harness.teacher``) takes to solve it the long way. The playbook is teacher-side
 knowledge only; the model sees the task spec, the files and the tool results.
+
+The tests grade in steps -- the delegated file exists, it imports, it behaves -- so a policy
+that only gets the plan right (write the right file, even wrongly) already earns part of
+the reward, which is the gradient RL climbs from a warm start.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ _STATS = Task(
         TaskTest("imports", "import stats"),
         TaskTest("mean_simple", "import stats\nassert stats.mean([1, 2, 3]) == 2"),
         TaskTest("mean_one", "import stats\nassert stats.mean([5]) == 5"),
+        TaskTest("median_file", "import os\nassert os.path.isfile('med.py')"),
         TaskTest("median_imports", "import med"),
         TaskTest("median_odd", "import med\nassert med.median([3, 1, 2]) == 2"),
         _suite_test(0.4, "import stats, med\nassert stats.mean([2, 4]) == 3 and med.median([9]) == 9"),
@@ -76,6 +81,7 @@ _GREET = Task(
         TaskTest("package", "import os\nassert os.path.isfile('greet/__init__.py')"),
         TaskTest("version", "import greet\nassert greet.VERSION == '1.0'"),
         TaskTest("hello", "import greet\nassert greet.hello('bob') == 'hello bob'"),
+        TaskTest("shout_file", "import os\nassert os.path.isfile('greet/shout.py')"),
         TaskTest("shout_imports", "import greet.shout"),
         TaskTest("shout", "from greet.shout import shout\nassert shout('hi') == 'HI!'"),
         _suite_test(0.6, "import greet\nfrom greet.shout import shout\nassert shout(greet.hello('a')) == 'HELLO A!'"),
@@ -97,6 +103,7 @@ _FIZZ = Task(
         TaskTest("fizz", "import fb\nassert fb.fizzbuzz(9) == 'Fizz'"),
         TaskTest("buzz", "import fb\nassert fb.fizzbuzz(10) == 'Buzz'"),
         TaskTest("fizzbuzz", "import fb\nassert fb.fizzbuzz(30) == 'FizzBuzz'"),
+        TaskTest("range_file", "import os\nassert os.path.isfile('fbrange.py')"),
         TaskTest("range_imports", "import fbrange"),
         TaskTest("range", "import fbrange\nassert fbrange.upto(3) == ['1', '2', 'Fizz']"),
         _suite_test(0.8, "import fbrange\nassert fbrange.upto(15)[-1] == 'FizzBuzz'"),
@@ -119,9 +126,11 @@ _INVENTORY = Task(
         TaskTest("count_unknown", "from inv.store import Store\nassert Store().count('z') == 0"),
         TaskTest("add_twice", "from inv.store import Store\ns = Store()\ns.add('a', 2)\ns.add('a', 3)\n"
                               "assert s.count('a') == 5"),
+        TaskTest("report_file", "import os\nassert os.path.isfile('inv/report.py')"),
         TaskTest("report_imports", "import inv.report"),
         TaskTest("report_total", "from inv.store import Store\nfrom inv.report import total\ns = Store()\n"
                                  "s.add('a', 2)\ns.add('b', 1)\nassert total(s) == 3"),
+        TaskTest("cli_file", "import os\nassert os.path.isfile('inv/cli.py')"),
         TaskTest("cli_imports", "import inv.cli"),
         TaskTest("cli_run", "from inv.cli import run\nassert run(['a=2', 'b=3']) == 5"),
         _suite_test(1.2, "from inv.cli import run\nassert run(['x=1', 'x=1']) == 2"),
