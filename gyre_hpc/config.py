@@ -115,7 +115,7 @@ class WarmstartConfig(_Section):
     steps: int = Field(320, ge=1, description="optimizer steps (one packed row each)")
     lr: float = Field(1e-2, gt=0)
     row_tokens: int = Field(2048, ge=16)
-    max_s: float = Field(90.0, gt=0, description="SFT wall-clock budget; training stops early past it")
+    max_s: float = Field(150.0, gt=0, description="SFT wall-clock budget; training stops early past it")
 
 
 class SlurmConfig(_Section):
