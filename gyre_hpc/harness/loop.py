@@ -75,10 +75,11 @@ class HarnessConfig:
     @classmethod
     def from_rollout(cls, rollout, **overrides) -> "HarnessConfig":
         """From the run config's ``rollout`` section (config.RolloutConfig)."""
-        return cls(max_new_tokens=rollout.max_new_tokens, context_limit=rollout.context_limit,
-                   run_timeout_s=rollout.run_timeout_s, max_retries=rollout.max_retries,
-                   max_delegations=rollout.max_delegations, subagent_turns=rollout.subagent_turns,
-                   tool_output_bytes=rollout.tool_output_bytes, **overrides)
+        fields = dict(max_new_tokens=rollout.max_new_tokens, context_limit=rollout.context_limit,
+                      run_timeout_s=rollout.run_timeout_s, max_retries=rollout.max_retries,
+                      max_delegations=rollout.max_delegations, subagent_turns=rollout.subagent_turns,
+                      tool_output_bytes=rollout.tool_output_bytes)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(frozen=True)
