@@ -112,10 +112,10 @@ class WarmstartConfig(_Section):
     enabled: bool = False
     cache_dir: str = Field("runs/warmstart", description="where built checkpoints are cached")
     runs_per_task: int = Field(2, ge=1, description="teacher trajectories per task (different seeds)")
-    steps: int = Field(320, ge=1, description="optimizer steps (one packed row each)")
+    steps: int = Field(900, ge=1, description="optimizer steps (one packed row each)")
     lr: float = Field(1e-2, gt=0)
     row_tokens: int = Field(2048, ge=16)
-    max_s: float = Field(150.0, gt=0, description="SFT wall-clock budget; training stops early past it")
+    max_s: float = Field(480.0, gt=0, description="SFT wall-clock budget; training stops early past it")
 
 
 class SlurmConfig(_Section):

@@ -88,11 +88,17 @@ def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
     return report
 
 
+def cached_warmstart(cfg: RunConfig) -> Path | None:
+    """The built checkpoint for ``cfg`` if the cache holds it, else None (builds nothing)."""
+    final = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg)
+    return final if (final / CONFIG_FILE).is_file() else None
+
+
 def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
     """The cached checkpoint for ``cfg`` (built now if missing); its directory."""
     root = Path(cfg.warmstart.cache_dir)
     final = root / warmstart_key(cfg)
-    if (final / CONFIG_FILE).is_file() and not force:
+    if cached_warmstart(cfg) is not None and not force:
         log(f"[warmstart] using cached {final}")
         return final
     root.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from gyre_hpc.config import build_config
 from gyre_hpc.harness.tasks import load_suite
 from gyre_hpc.models.checkpoint import load_pretrained
 from gyre_hpc.models.tiny_lm import build_model
-from gyre_hpc.warmstart.cache import ensure_warmstart, teacher_harness, warmstart_key, with_warmstart
+from gyre_hpc.warmstart.cache import cached_warmstart, ensure_warmstart, teacher_harness, warmstart_key, with_warmstart
 from gyre_hpc.warmstart.sft import train_sft
 from gyre_hpc.warmstart.trajectories import teacher_runs
 
@@ -51,7 +51,9 @@ def test_warmstart_refuses_a_suite_the_teacher_does_not_know(tmp_path):
 
 def test_warmstart_builds_once_and_points_the_run_at_its_checkpoint(tmp_path):
     cfg = _cfg(tmp_path)
+    assert cached_warmstart(cfg) is None
     path = ensure_warmstart(cfg, log=lambda m: None)
+    assert cached_warmstart(cfg) == path
     report = json.loads((path / "warmstart.json").read_text())
     assert report["key"] == path.name and report["sft"]["steps"] == 3 and report["teacher"]["reward_mean"] == 1.0
     model = load_pretrained(path)
