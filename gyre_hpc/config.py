@@ -116,6 +116,7 @@ class WarmstartConfig(_Section):
     lr: float = Field(1e-2, gt=0)
     row_tokens: int = Field(2048, ge=16)
     max_s: float = Field(480.0, gt=0, description="SFT wall-clock budget; training stops early past it")
+    seed: int = Field(0, description="teacher and SFT seed; its own, so runs of several seeds share one warm start")
 
 
 class SlurmConfig(_Section):

@@ -52,7 +52,7 @@ def teacher_harness(cfg: RunConfig) -> HarnessConfig:
 def warmstart_key(cfg: RunConfig) -> str:
     tasks = _tasks(cfg)
     harness = teacher_harness(cfg)
-    model = build_model(cfg.model.preset, seed=cfg.seed)
+    model = build_model(cfg.model.preset, seed=cfg.warmstart.seed)
     fingerprint = {
         "recipe": RECIPE_VERSION,
         "tasks": [repr(t) for t in tasks],
@@ -60,8 +60,8 @@ def warmstart_key(cfg: RunConfig) -> str:
         "harness": repr(harness),
         "model": dataclasses.asdict(model.config),
         "tokenizer": [encode(SYSTEM_TEXT), encode(SUBAGENT_TEXT), list(format_action("write", "a.py", "x = 1\n"))],
-        "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir"}),
-        "seed": cfg.seed,
+        "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir", "seed"}),
+        "seed": cfg.warmstart.seed,
     }
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -74,13 +74,13 @@ def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
     t0 = time.perf_counter()
     harness = teacher_harness(cfg)
     ws = cfg.warmstart
-    runs = teacher_runs(_tasks(cfg), ws.runs_per_task, harness, seed=cfg.seed)
+    runs = teacher_runs(_tasks(cfg), ws.runs_per_task, harness, seed=ws.seed)
     teacher = runs.stats()
     log(f"[warmstart] {teacher['runs']} teacher runs, {teacher['calls_mean']:.1f} calls each, "
         f"{teacher['trained_tokens']} trained tokens ({time.perf_counter() - t0:.0f}s)")
-    model = build_model(cfg.model.preset, seed=cfg.seed)
+    model = build_model(cfg.model.preset, seed=ws.seed)
     sft = train_sft(model, runs.trees, steps=ws.steps, lr=ws.lr, row_tokens=ws.row_tokens, max_s=ws.max_s,
-                    seed=cfg.seed, log=log)
+                    seed=ws.seed, log=log)
     report = {"key": key, "suite": cfg.rollout.tasks, "preset": cfg.model.preset, "teacher": teacher,
               "sft": dataclasses.asdict(sft), "seconds": time.perf_counter() - t0}
     save_pretrained(model, out, extra={"warmstart": report})

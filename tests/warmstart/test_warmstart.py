@@ -42,6 +42,8 @@ def test_warmstart_key_follows_suite_preset_and_settings(tmp_path):
     assert base != warmstart_key(_cfg(tmp_path, "model.preset=small"))
     assert base != warmstart_key(_cfg(tmp_path, "rollout.context_limit=1024"))
     assert base != warmstart_key(_cfg(tmp_path, "warmstart.lr=0.5"))
+    assert base != warmstart_key(_cfg(tmp_path, "warmstart.seed=1"))
+    assert base == warmstart_key(_cfg(tmp_path, "seed=3"))      # RL seeds share one warm start
 
 
 def test_warmstart_refuses_a_suite_the_teacher_does_not_know(tmp_path):
