@@ -51,6 +51,7 @@ def test_warmstart_refuses_a_suite_the_teacher_does_not_know(tmp_path):
         warmstart_key(_cfg(tmp_path, "rollout.tasks=easy"))
 
 
+@pytest.mark.slow
 def test_warmstart_builds_once_and_points_the_run_at_its_checkpoint(tmp_path):
     cfg = _cfg(tmp_path)
     assert cached_warmstart(cfg) is None
