@@ -8,6 +8,7 @@ averaged over the row's trained tokens.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,7 +26,7 @@ class SFTReport:
     steps: int
     seconds: float
     loss_first: float
-    loss_last: float       # mean over the last epoch's rows
+    loss_last: float       # mean over the last epoch's worth of rows
     rows: int
     tokens: int
     stopped_by: str        # "steps" or "time"
@@ -51,19 +52,15 @@ def train_sft(model: torch.nn.Module, trees: Sequence[Tree], steps: int, lr: flo
     rng = np.random.default_rng(seed)
     model.train()
     t0 = time.perf_counter()
+    recent: deque[float] = deque(maxlen=len(batches))     # one epoch's worth of row losses
     first = None
-    epoch_losses: list[float] = []
-    last_epoch = float("nan")
     step, stopped = 0, "steps"
     order: list[int] = []
     while step < steps:
         if not order:
-            if epoch_losses:
-                last_epoch = float(np.mean(epoch_losses))
-                if log:
-                    log(f"[warmstart] step {step}/{steps} epoch loss {last_epoch:.4f} "
-                        f"{time.perf_counter() - t0:.0f}s")
-            epoch_losses = []
+            if step and log:
+                log(f"[warmstart] step {step}/{steps} epoch loss {np.mean(recent):.4f} "
+                    f"{time.perf_counter() - t0:.0f}s")
             order = list(rng.permutation(len(batches)))
         loss = row_loss(model, batches[order.pop()])
         opt.zero_grad(set_to_none=True)
@@ -73,14 +70,11 @@ def train_sft(model: torch.nn.Module, trees: Sequence[Tree], steps: int, lr: flo
         sched.step()
         value = float(loss.detach())
         first = value if first is None else first
-        epoch_losses.append(value)
+        recent.append(value)
         step += 1
         if time.perf_counter() - t0 > max_s:
             stopped = "time"
             break
     model.eval()
-    if epoch_losses:
-        last_epoch = float(np.mean(epoch_losses)) if np.isnan(last_epoch) or len(epoch_losses) > len(batches) // 2 \
-            else last_epoch
-    return SFTReport(step, time.perf_counter() - t0, float(first), last_epoch, len(rows),
+    return SFTReport(step, time.perf_counter() - t0, float(first), float(np.mean(recent)), len(rows),
                      int(sum(r.n_tokens for r in rows)), stopped)
