@@ -48,24 +48,16 @@ def _note(step: Step) -> str:
 
 
 def main_plan(task: Task, playbook: Playbook, rng: random.Random) -> list[Step]:
-    """Explore, get the main fix wrong once and finish too early (the harness retries), fix, delegate, finish."""
+    """Explore, get the main fix wrong once, finish too early (the harness retries), delegate, finish."""
     plan: list[Step] = [("list",), ("read", "README.md")]
     plan += [("read", path) for path in task.files if path != "README.md" and task.files[path]]
-    finished_early = False
     for path, wrong, solution in playbook.fixes:
         if wrong is not None and rng.random() < 0.85:
-            plan += [("write", path, wrong), ("test",)]
-            if not finished_early:
-                # Finish right after the first wrong attempt: the harness answers with a retry
-                # early in the run, and the retried branch re-reads and fixes.
-                plan.append(("finish", f"fixed {path}"))
-                finished_early = True
-            plan.append(("read", path))
+            plan += [("write", path, wrong), ("test",), ("read", path)]
         plan += [("write", path, solution), ("test",)]
     if rng.random() < 0.5:
         plan.append(("exec", "ls -R"))
-    if not finished_early:
-        plan.append(("finish", "fixed " + ", ".join(p for p, _, _ in playbook.fixes)))
+    plan.append(("finish", "fixed " + ", ".join(p for p, _, _ in playbook.fixes)))
     plan += [("delegate", sub.request) for sub in playbook.subtasks]
     plan += [("test",), ("finish", "all tests pass")]
     return plan
