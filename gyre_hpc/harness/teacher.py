@@ -8,10 +8,11 @@ plugged into the real ``AgentRun`` as its model client; the loop, tools, checker
 compression run as they do in RL, and only the choice of action is scripted.
 
 The teacher reads nothing of the harness's internals. It tells calls apart by the text of
-the prompt (``tokenizer.decode``): a prompt that ends with the summary request is a summary
+the prompt (the tokenizer's ``decode``, specials dropped): a prompt that ends with the summary request is a summary
 call, one that carries the sub-agent system text is the current sub-agent's turn, any
-other is the main agent's. It produces tool calls only through ``actions.format_action``,
-so it emits whatever call syntax that module defines. Its plan does not react to tool
+other is the main agent's. It produces tool calls only through ``actions.format_action``
+with the run's tokenizer, so it emits whatever call syntax and ids those define (no token id
+is assumed here: end-of-turn is the tokenizer's ``eos_id``). Its plan does not react to tool
 results (it knows the playbook), which is enough: the model it teaches sees those results
 in its context and learns the plan conditioned on them.
 """
@@ -26,14 +27,15 @@ from gyre_hpc.harness.client import Completion
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SUMMARY_REQUEST
 from gyre_hpc.harness.tasks.longhorizon import PLAYBOOKS, Playbook, Subtask
 from gyre_hpc.harness.tasks.spec import Task
-from gyre_hpc.harness.tokenizer import EOS, decode, encode
+from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
 
 Step = tuple[str, ...]     # (tool, *args) as format_action takes them
 
 
-def plain_text_output(text: str) -> list[int]:
-    """A non-tool output (a summary): the text, then end-of-sequence, as a model should emit it."""
-    return encode(text) + [EOS]
+def plain_text_output(text: str, tokenizer: ChatTokenizer | None = None) -> list[int]:
+    """A non-tool output (a summary): the text, then end of turn, as a model should emit it."""
+    tok = tokenizer or embedded_tokenizer()
+    return tok.encode(text) + [tok.eos_id]
 
 
 def _note(step: Step) -> str:
@@ -72,12 +74,17 @@ def sub_plan(sub: Subtask, rng: random.Random) -> list[Step]:
 
 
 class TeacherClient:
-    """One run's teacher (it keeps the run's plan position): ``AgentRun(..., client=TeacherClient(task))``."""
+    """One run's teacher (it keeps the run's plan position): ``AgentRun(..., client=TeacherClient(task))``.
 
-    def __init__(self, task: Task, seed: int = 0, playbook: Playbook | None = None) -> None:
+    ``tokenizer`` must be the one the run's ``AgentRun`` builds prompts with (the embedded
+    default unless a checkpoint brings its own)."""
+
+    def __init__(self, task: Task, seed: int = 0, playbook: Playbook | None = None,
+                 tokenizer: ChatTokenizer | None = None) -> None:
         if playbook is None and task.task_id not in PLAYBOOKS:
             raise ValueError(f"task {task.task_id!r} has no teacher playbook; tasks with one: {', '.join(PLAYBOOKS)}")
         self.task = task
+        self.tokenizer = tokenizer or embedded_tokenizer()
         self.playbook = playbook or PLAYBOOKS[task.task_id]
         rng = random.Random(seed)
         self.main = deque(main_plan(task, self.playbook, rng))
@@ -89,15 +96,15 @@ class TeacherClient:
 
     async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
         self.calls += 1
-        text = decode(prompt)
+        text = self.tokenizer.decode(prompt, skip_special_tokens=True)
         agent = "sub" if SUBAGENT_TEXT in text else "main"
         if SUMMARY_REQUEST in text[-(len(SUMMARY_REQUEST) + 32):]:
             done = self.notes[agent][-4:] or ["started"]
-            ids = plain_text_output("done: " + "; ".join(done))
+            ids = plain_text_output("done: " + "; ".join(done), self.tokenizer)
         else:
             step = self._next(agent)
             self.notes[agent].append(_note(step))
-            ids = format_action(*step)
+            ids = format_action(*step, tokenizer=self.tokenizer)
         ids = list(ids)[:max_new_tokens]
         return Completion(tuple(ids), (0.0,) * len(ids), 0)
 

@@ -24,9 +24,10 @@ from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
 from gyre_hpc.harness.tasks import load_suite
 from gyre_hpc.harness.tasks.longhorizon import PLAYBOOKS
-from gyre_hpc.harness.tokenizer import encode
+from gyre_hpc.harness.tokenizer import ChatFormat
 from gyre_hpc.models.checkpoint import CONFIG_FILE, save_pretrained
 from gyre_hpc.models.tiny_lm import build_model
+from gyre_hpc.models.tokenizer import embedded_tokenizer
 from gyre_hpc.warmstart.sft import train_sft
 from gyre_hpc.warmstart.trajectories import teacher_runs
 
@@ -49,6 +50,15 @@ def teacher_harness(cfg: RunConfig) -> HarnessConfig:
     return dataclasses.replace(HarnessConfig.from_rollout(cfg.rollout), run_timeout_s=3600.0)
 
 
+def _tokenizer_fingerprint() -> list:
+    """Ids of the chat-formatted system prompts, a generation prompt and a tool call: a new
+    tokenizer, chat template or call syntax changes them, so it gets a new checkpoint."""
+    tok = embedded_tokenizer()
+    chat = ChatFormat(tok)
+    return [tok.vocab_size, chat.message("system", SYSTEM_TEXT), chat.message("system", SUBAGENT_TEXT),
+            chat.generation_prompt(), list(format_action("write", "a.py", "x = 1\n", tokenizer=tok))]
+
+
 def warmstart_key(cfg: RunConfig) -> str:
     tasks = _tasks(cfg)
     harness = teacher_harness(cfg)
@@ -59,7 +69,7 @@ def warmstart_key(cfg: RunConfig) -> str:
         "playbooks": [repr(PLAYBOOKS[t.task_id]) for t in tasks],
         "harness": repr(harness),
         "model": dataclasses.asdict(model.config),
-        "tokenizer": [encode(SYSTEM_TEXT), encode(SUBAGENT_TEXT), list(format_action("write", "a.py", "x = 1\n"))],
+        "tokenizer": _tokenizer_fingerprint(),
         "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir", "seed"}),
         "seed": cfg.warmstart.seed,
     }

@@ -15,6 +15,7 @@ from pathlib import Path
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.harness.tasks import Task
 from gyre_hpc.harness.teacher import TeacherClient
+from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
 from gyre_hpc.trees.builder import build_tree
 from gyre_hpc.trees.model import Tree
 
@@ -36,21 +37,24 @@ class TeacherRuns:
                 "trained_tokens": int(sum(t.trained.sum() for t in self.trees))}
 
 
-async def _run_all(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, root: Path, seed: int) -> list[RunResult]:
+async def _run_all(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, root: Path, seed: int,
+                   tokenizer: ChatTokenizer) -> list[RunResult]:
     runs = []
     for t in tasks:
         for g in range(runs_per_task):
             rid = f"teacher-{t.task_id}-{g}"
-            runs.append(AgentRun(t, root / rid, TeacherClient(t, seed=seed * 7919 + g), root / f"{rid}.jsonl", cfg,
-                                 run_id=rid))
+            client = TeacherClient(t, seed=seed * 7919 + g, tokenizer=tokenizer)
+            runs.append(AgentRun(t, root / rid, client, root / f"{rid}.jsonl", cfg, run_id=rid, tokenizer=tokenizer))
     return list(await asyncio.gather(*(r.run(resume=False) for r in runs)))
 
 
 def teacher_runs(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, seed: int = 0,
-                 workdir: str | Path | None = None) -> TeacherRuns:
-    """``runs_per_task`` teacher runs of every task (seeds vary the detours), as trees."""
+                 workdir: str | Path | None = None, tokenizer: ChatTokenizer | None = None) -> TeacherRuns:
+    """``runs_per_task`` teacher runs of every task (seeds vary the detours), as trees; prompts
+    and calls in ``tokenizer``'s ids (the embedded default unless given)."""
+    tokenizer = tokenizer or embedded_tokenizer()
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed))
+        results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed, tokenizer))
     failed = [r.run_id for r in results if r.status == "failed"]
     if failed:
         raise RuntimeError(f"teacher runs {failed[:3]} failed: {[r.error for r in results if r.error][:3]}")

@@ -129,3 +129,22 @@ def test_journal_cut_mid_record_resumes_with_every_committed_call(tmp_path):
     for a, b in zip(full.calls[: keep - 1], resumed.calls):
         assert np.array_equal(a.prompt, b.prompt) and np.array_equal(a.output, b.output)
     assert load_journal(path).finished
+
+
+def test_teacher_speaks_the_run_tokenizer_calls_and_summaries():
+    """Calls come from format_action with the given tokenizer (they parse back); a summary
+    ends with that tokenizer's eos_id; the prompt is read through its decode (ChatML)."""
+    from gyre_hpc.harness.loop import SUMMARY_REQUEST
+    from gyre_hpc.harness.tokenizer import ChatFormat
+    from gyre_hpc.models.tokenizer import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    chat = ChatFormat(tok)
+    task = _tasks()["lh-stats"]
+    teacher = TeacherClient(task, seed=0, tokenizer=tok)
+    first = chat.message("system", "sys") + chat.message("user", task.spec) + chat.generation_prompt()
+    comp = asyncio.run(teacher.complete(first, 176, tok.stop_ids()))
+    assert parse_action(comp.output, tok).tool == "list"
+    summary = first + list(comp.output) + chat.message("user", SUMMARY_REQUEST) + chat.generation_prompt()
+    comp = asyncio.run(teacher.complete(summary, 176, tok.stop_ids()))
+    assert comp.output[-1] == tok.eos_id and tok.decode(comp.output).startswith("done: ")
