@@ -16,6 +16,7 @@ COMMANDS = {
     "inspect": "gyre_hpc.rundir.inspect:inspect",
     "bench": "gyre_hpc.bench:bench",
     "sim": "gyre_hpc.sim.cli:sim",
+    "warmstart": "gyre_hpc.warmstart.cli:warmstart",
 }
 
 

@@ -125,6 +125,30 @@ class RolloutConfig(_Section):
     # runs the tool-dominated shape of real agent work on a small machine.
     tool_latency_s: float = Field(0.0, ge=0, description="median added tool latency (s), 0 = none")
     tool_latency_sigma: float = Field(0.6, ge=0, description="sigma of log of the added tool latency")
+    # Harness behaviours (gyre_hpc.harness.loop.HarnessConfig): how often a run may go back
+    # to its branch point after a failed finish, delegate, and how long a sub-agent acts.
+    max_retries: int = Field(1, ge=0, description="retries of a failed finish (rewind to the anchor context)")
+    max_delegations: int = Field(2, ge=0, description="sub-agents the main agent may start per run")
+    subagent_turns: int = Field(4, ge=1, description="model calls a sub-agent gets (summaries excluded)")
+    tool_output_bytes: int = Field(256, ge=1, description="tool result bytes shown to the model")
+
+
+class WarmstartConfig(_Section):
+    """Supervised warm start on scripted-teacher trajectories (``gyre-hpc warmstart``).
+
+    With ``enabled`` and no ``model.path``, ``gyre-hpc run`` builds the checkpoint once (cached
+    under ``cache_dir`` by a hash of suite, harness settings, model preset and tokenizer) and
+    starts RL from it.
+    """
+
+    enabled: bool = False
+    cache_dir: str = Field("runs/warmstart", description="where built checkpoints are cached")
+    runs_per_task: int = Field(2, ge=1, description="teacher trajectories per task (different seeds)")
+    steps: int = Field(900, ge=1, description="optimizer steps (one packed row each)")
+    lr: float = Field(1e-2, gt=0)
+    row_tokens: int = Field(2048, ge=16)
+    max_s: float = Field(480.0, gt=0, description="SFT wall-clock budget; training stops early past it")
+    seed: int = Field(0, description="teacher and SFT seed; its own, so runs of several seeds share one warm start")
 
 
 class SlurmConfig(_Section):
@@ -162,6 +186,7 @@ class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -7,6 +7,11 @@ Baseline ("per_path"): every call's prompt+output is its own sequence, packed in
 same rows with document masking, run through the same kernel and the same loss. So the
 only difference measured is prefix sharing, not padding or kernel choice.
 
+``--from RUN``: the same comparison on a real run's own ``trees.zarr`` (its first ``--trees``
+committed trees, one step's worth by default): the tree variant trains the stored trees,
+the per-path variant every kept call's path on its own, each trained token in exactly one
+path (the first call whose path holds its node), weighted as part of its run.
+
 Each variant runs in a fresh spawned process (one torch thread) so its peak memory is its
 own: peak RSS (``ru_maxrss``) minus RSS just before the step, i.e. what forward+backward
 of the whole step added on top of model and data.
@@ -37,6 +42,46 @@ def _workload(n_runs: int, n_calls: int, seed: int):
     return runs, trees
 
 
+def _store_trees(run_dir: str, n_trees: int):
+    from gyre_hpc.rundir.layout import RunDir
+    from gyre_hpc.trees.store import TreeStore
+
+    with TreeStore.open(RunDir.at(run_dir).trees, "r") as store:
+        n = min(n_trees, len(store))
+        if n < 2:
+            raise click.ClickException(f"bench trees --from {run_dir}: its trees.zarr commits {len(store)} trees, "
+                                       f"need >= 2")
+        return [store.read(i) for i in range(n)]
+
+
+def _stored_per_path(trees):
+    """Every kept call of every stored tree as its own one-node tree (see module docstring)."""
+    from gyre_hpc.trees.loss import StepWeights
+    from gyre_hpc.trees.model import Tree
+
+    paths, owner = [], []
+    for r, tree in enumerate(trees):
+        owned = np.zeros(tree.n_nodes, dtype=bool)
+        for c in range(tree.n_paths):
+            nodes = tree.node_path(c)
+            first = [not owned[n] for n in nodes]      # this call is the first whose path holds the node
+            owned[nodes] = True
+            idx = np.concatenate([np.arange(tree.node_start[n], tree.node_start[n] + tree.node_len[n]) for n in nodes])
+            mask = np.repeat(np.array(first, dtype=bool), tree.node_len[nodes])
+            trained = tree.trained[idx] & mask
+            role = tree.call_role[c]
+            paths.append(Tree(tokens=tree.tokens[idx], logprobs=np.where(trained, tree.logprobs[idx], 0).astype(np.float32),
+                              trained=trained, node_start=np.zeros(1, np.int64), node_len=np.array([idx.size], np.int32),
+                              parent=np.array([-1], np.int32), node_role=np.array([role], np.int8),
+                              call_node=np.zeros(1, np.int32), call_role=np.array([role], np.int8),
+                              call_agent=[tree.call_agent[c]], run_id=tree.run_id, task_id=tree.task_id,
+                              reward=tree.reward))
+            owner.append(r)
+    owner = np.asarray(owner)
+    run_weights = StepWeights.from_trees(trees)
+    return paths, StepWeights(run_weights.advantages[owner], run_weights.run_tokens[owner], run_weights.n_runs)
+
+
 def _per_path(runs, trees):
     """One single-call tree per call, weighted as part of its run (per-run averaging kept)."""
     from gyre_hpc.trees.builder import build_tree
@@ -54,7 +99,8 @@ def _per_path(runs, trees):
                               int((run_tokens > 0).sum()))
 
 
-def _measure(variant: str, n_runs: int, n_calls: int, seed: int, preset: str, row_tokens: int, queue) -> None:
+def _measure(variant: str, n_runs: int, n_calls: int, seed: int, preset: str, row_tokens: int, queue,
+             from_run: str | None = None, n_trees: int = 16) -> None:
     """Child process: build the data, then time one full step (forward+backward, all rows)."""
     import torch
 
@@ -63,14 +109,20 @@ def _measure(variant: str, n_runs: int, n_calls: int, seed: int, preset: str, ro
     from gyre_hpc.trees.packing import collate, pack
 
     torch.set_num_threads(1)
-    runs, trees = _workload(n_runs, n_calls, seed)
-    if variant == "tree":
-        units, weights = trees, StepWeights.from_trees(trees)
+    if from_run is not None:
+        trees = _store_trees(from_run, n_trees)
+        units, weights = (trees, StepWeights.from_trees(trees)) if variant == "tree" else _stored_per_path(trees)
     else:
-        units, weights = _per_path(runs, trees)
+        runs, trees = _workload(n_runs, n_calls, seed)
+        if variant == "tree":
+            units, weights = trees, StepWeights.from_trees(trees)
+        else:
+            units, weights = _per_path(runs, trees)
     rows = pack(units, row_tokens)
     batches = [collate([row]) for row in rows]
     model = build_model(preset, seed=seed)
+    if from_run is not None and int(max(int(u.tokens.max()) for u in units)) >= model.config.vocab_size:
+        raise click.ClickException(f"bench trees --from {from_run}: token ids exceed preset {preset!r}'s vocabulary")
     rss_before = _rss_bytes()
     t0 = time.perf_counter()
     loss = 0.0
@@ -112,12 +164,22 @@ def _in_child(variant: str, **kwargs) -> dict:
 @click.option("--repeats", default=2, show_default=True,
               help="measure each variant this many times, interleaved; the fastest counts (shared CPUs are noisy)")
 @click.option("--seed", default=0, show_default=True)
-def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: int, repeats: int, seed: int) -> None:
+@click.option("--from", "from_run", type=click.Path(file_okay=False), default=None,
+              help="measure on this run directory's trees.zarr instead of synthetic runs")
+@click.option("--trees", "n_trees", default=16, show_default=True, help="with --from: the first N committed trees")
+def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: int, repeats: int, seed: int,
+            from_run: str | None, n_trees: int) -> None:
     """Tokens, step time and peak memory: tree training vs per-path training."""
-    runs, trees = _workload(n_runs, n_calls, seed)
-    expanded = sum(c.prompt.size + c.output.size for r in runs for c in r.journal)
+    if from_run is not None:
+        trees = _store_trees(from_run, n_trees)
+        expanded = sum(int(t.path(c).size) for t in trees for c in range(t.n_paths))
+        n_runs, n_calls = len(trees), sum(t.n_paths for t in trees) / len(trees)
+    else:
+        runs, trees = _workload(n_runs, n_calls, seed)
+        expanded = sum(c.prompt.size + c.output.size for r in runs for c in r.journal)
     in_tree = sum(t.n_tokens for t in trees)
-    kwargs = dict(n_runs=n_runs, n_calls=n_calls, seed=seed, preset=preset, row_tokens=row_tokens)
+    kwargs = dict(n_runs=n_runs, n_calls=int(n_calls), seed=seed, preset=preset, row_tokens=row_tokens,
+                  from_run=from_run, n_trees=n_trees)
     if n_runs < 2:
         raise click.BadParameter(
             "needs >= 2 runs: one run alone has zero group-normalised advantage", param_hint="--runs")
@@ -131,7 +193,8 @@ def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: i
     emit({
         "workload": {
             "runs": n_runs, "calls_per_run": n_calls, "model": preset, "row_tokens": row_tokens, "repeats": repeats,
-            "generator": "gyre_hpc.trees.synthetic defaults (compressions, sub-agents, retries)",
+            "generator": (f"the first {n_runs} trees of {from_run}/trees.zarr" if from_run else
+                          "gyre_hpc.trees.synthetic defaults (compressions, sub-agents, retries)"),
         },
         "tokens": {
             "expanded_paths": int(expanded),

@@ -17,7 +17,8 @@ path in the trajectory tree. Three things start a new branch instead:
   its finish message (or "turn budget spent") is the tool result the parent sees.
 The run ends with status ``finished`` (finish with a pass, retries spent, or turns spent),
 ``timeout`` (the wall clock ran out; the workspace is kept and scored as it is) or
-``failed`` (the model client raised). Every status is scored by the task's checker.
+``failed`` (the model client or the checker raised). Every status is scored by the task's
+checker; a run whose checker crashes scores 0 with the crash as its error.
 
 Resume: with ``resume=True`` an unfinished journal is replayed: the workspace is rebuilt
 from the task's files and the recorded outputs are fed back through the same tools
@@ -77,8 +78,11 @@ class HarnessConfig:
     @classmethod
     def from_rollout(cls, rollout, **overrides) -> "HarnessConfig":
         """From the run config's ``rollout`` section (config.RolloutConfig)."""
-        return cls(max_new_tokens=rollout.max_new_tokens, context_limit=rollout.context_limit,
-                   run_timeout_s=rollout.run_timeout_s, **overrides)
+        fields = dict(max_new_tokens=rollout.max_new_tokens, context_limit=rollout.context_limit,
+                      run_timeout_s=rollout.run_timeout_s, max_retries=rollout.max_retries,
+                      max_delegations=rollout.max_delegations, subagent_turns=rollout.subagent_turns,
+                      tool_output_bytes=rollout.tool_output_bytes)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,13 @@ class AgentRun:
         except Exception as exc:  # noqa: BLE001 - a failed run is still scored and journaled
             status, error = "failed", f"{type(exc).__name__}: {exc}"
         # Scored from the workspace as it is, whatever the status: partial progress counts.
-        check = await asyncio.to_thread(check_workspace, self.task, self.workspace_path, self.cfg.check_limits)
+        try:
+            check = await asyncio.to_thread(check_workspace, self.task, self.workspace_path, self.cfg.check_limits)
+        except Exception as exc:  # noqa: BLE001 - a checker that crashes fails the run, never the fleet
+            crash = f"checker crashed: {type(exc).__name__}: {exc}"
+            status, error = "failed", f"{error}; {crash}" if error else crash
+            check = CheckReport(tuple(t.name for t in self.task.tests), (False,) * len(self.task.tests),
+                                (crash[:200],) * len(self.task.tests))
         wall = time.monotonic() - start
         self.writer.end(status, check.score, wall, list(check.passed))
         return RunResult(self.run_id, self.task.task_id, status, check.score, wall, self.calls, check,

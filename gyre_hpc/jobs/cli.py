@@ -34,6 +34,9 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
     from gyre_hpc.rundir.layout import RunDir
 
     cfg = _load(config, overrides)
+    if cfg.workload == "rl" and cfg.warmstart.enabled:
+        from gyre_hpc.warmstart.cache import with_warmstart
+        cfg = with_warmstart(cfg, log=click.echo)
     if cfg.workload == "rl":
         from gyre_hpc.rl.progress import progress_display
         with progress_display(cfg):
@@ -66,6 +69,16 @@ def submit(config: str, overrides: tuple[str, ...], use_sbatch: bool, wait: bool
     from gyre_hpc.rundir.layout import RunDir
 
     cfg = _load(config, overrides).model_copy(update={"launcher": "slurm"})
+    if cfg.workload == "rl" and cfg.warmstart.enabled and not cfg.model.path:
+        # Never train on a login node: the warm start must be built already (in an allocation).
+        from gyre_hpc.warmstart.cache import cached_warmstart
+        built = cached_warmstart(cfg)
+        if built is None:
+            raise click.ClickException(
+                f"warmstart.enabled: no cached warm-start checkpoint under {cfg.warmstart.cache_dir} for this "
+                f"config; build it first inside an allocation (srun gyre-hpc warmstart {config}) or set "
+                f"warmstart.enabled=false")
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(built.resolve())})})
     run_dir = RunDir.at(cfg.run_dir).make()
     cfg = cfg.model_copy(update={"run_dir": str(run_dir.root)})
     if use_sbatch:

@@ -133,6 +133,7 @@ def summarize(path: str | Path) -> RunSummary:
 def _trees_summary(run: RunDir) -> dict | None:
     if not run.trees.exists():
         return None
+    from gyre_hpc.rundir.tree_stats import store_stats
     from gyre_hpc.trees.store import StoreError, TreeStore
 
     try:
@@ -142,10 +143,11 @@ def _trees_summary(run: RunDir) -> dict | None:
             ds = store.dataset()
             rewards = ds["reward"].values if n else []
             tokens = int(ds["trained"].values.sum()) if n else 0
+            shapes = store_stats(ds) if n else {"runs": 0}
     except (StoreError, OSError, KeyError) as exc:
         raise RunDirError(f"{run.trees} is unreadable: {exc}") from None
     return {"trees": n, "unique_run_ids": len(set(ids)), "trained_tokens": tokens,
-            "reward_mean": float(sum(rewards) / n) if n else None}
+            "reward_mean": float(sum(rewards) / n) if n else None, "shapes": shapes}
 
 
 def _checkpoint_step(run: RunDir) -> int | None:
@@ -201,6 +203,14 @@ def render(summary: RunSummary) -> None:
         reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f}"
         console.print(f"trees.zarr: {t['trees']} committed trees ({t['unique_run_ids']} distinct runs), "
                       f"{t['trained_tokens']} trained tokens, mean reward {reward}")
+        sh = t.get("shapes") or {}
+        if sh.get("runs"):
+            c, w, a = sh["calls_per_run"], sh["runs_with"], sh["admission"]
+            console.print(f"run shapes: calls per run mean {c['mean']:.1f} p50 {c['p50']:.0f} p90 {c['p90']:.0f} "
+                          f"max {c['max']}; runs with compression {w['compression']:.0%}, sub-agent "
+                          f"{w['subagent']:.0%}, retry {w['retry']:.0%}, timeout {w['timeout']:.0%}; sharing "
+                          f"{sh['sharing_ratio']:.2f}x, trained share {sh['trained_share']:.1%}; admission dropped "
+                          f"{a['dropped_calls']} of {a['calls_total']} calls ({a['runs_with_drops']} runs)")
     if summary.runs is not None:
         r = summary.runs
         console.print(f"agent runs: {r['runs']} ({r['statuses']}), KV migrations {r['migrations']}, "

@@ -195,6 +195,10 @@ def test_harness_config_follows_the_rollout_section():
     cfg = build_config({}, ["rollout.max_new_tokens=32", "rollout.context_limit=300", "rollout.run_timeout_s=9"])
     h = HarnessConfig.from_rollout(cfg.rollout, max_retries=2)
     assert (h.max_new_tokens, h.context_limit, h.run_timeout_s, h.max_retries) == (32, 300, 9.0, 2)
+    cfg = build_config({}, ["rollout.max_retries=3", "rollout.max_delegations=0", "rollout.subagent_turns=7",
+                            "rollout.tool_output_bytes=99"])
+    h = HarnessConfig.from_rollout(cfg.rollout)
+    assert (h.max_retries, h.max_delegations, h.subagent_turns, h.tool_output_bytes) == (3, 0, 7, 99)
 
 
 def test_harness_config_names_a_bad_field():

@@ -24,5 +24,9 @@ def test_inspect_shows_rl_steps_trees_and_runs(tmp_path):
         store.append([build_tree([call], run_id=r, task_id="t", reward=w) for r, w in (("a", 0.25), ("b", 0.75))])
     s = summarize(run.root)
     assert [(x["step"], x["reward_mean"], x["replicas"]) for x in s.steps] == [(1, 0.25, 2), (2, 0.75, 1)]
+    shapes = s.trees.pop("shapes")
     assert s.trees == {"trees": 2, "unique_run_ids": 2, "trained_tokens": 4, "reward_mean": 0.5}
+    assert shapes["calls_per_run"] == {"mean": 1.0, "p50": 1.0, "p90": 1.0, "max": 1}
+    assert shapes["sharing_ratio"] == 1.0 and shapes["trained_share"] == 4 / 10
+    assert shapes["runs_with"] == {"compression": 0.0, "subagent": 0.0, "retry": 0.0, "timeout": 0.0}
     assert s.runs == {"runs": 2, "migrations": 2, "restarts": 0, "statuses": {"finished": 1, "timeout": 1}}

@@ -13,9 +13,12 @@ normalised advantages then push the policy up each check's gradient step by step
 
 ``repo``: small repository-building tasks (write a module, fix a bug, make a package),
 a few tests each, for models that have learnt the tool-call syntax.
+
+``long``: the long-horizon coding suite (``longhorizon.py``), tens of model calls per run.
 """
 from __future__ import annotations
 
+from gyre_hpc.harness.tasks.longhorizon import LONG
 from gyre_hpc.harness.tasks.spec import Task, TaskTest
 
 
@@ -93,4 +96,4 @@ REPO = (
     ),
 )
 
-SUITES: dict[str, tuple[Task, ...]] = {"easy": EASY, "repo": REPO, "builtin": EASY + REPO}
+SUITES: dict[str, tuple[Task, ...]] = {"easy": EASY, "repo": REPO, "builtin": EASY + REPO, "long": LONG}

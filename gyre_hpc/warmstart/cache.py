@@ -1,0 +1,130 @@
+"""Build the warm-start checkpoint once and reuse it: a directory keyed by what shapes it.
+
+The key hashes everything that changes the teacher's token ids or the trained weights:
+the suite's tasks and playbooks, the harness settings from ``rollout``, the model preset's
+architecture (vocabulary size included, read from the built model, never assumed), a
+tokenizer fingerprint (the ids of the system prompt and of a formatted tool call, so a new
+tokenizer or call syntax gets a new checkpoint) and the SFT settings. Building writes into
+a scratch directory renamed into place, so a half-built checkpoint is never picked up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from gyre_hpc.config import RunConfig
+from gyre_hpc.harness.actions import format_action
+from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
+from gyre_hpc.harness.tasks import load_suite
+from gyre_hpc.harness.tasks.longhorizon import PLAYBOOKS
+from gyre_hpc.harness.tokenizer import ChatFormat
+from gyre_hpc.models.checkpoint import CONFIG_FILE, save_pretrained
+from gyre_hpc.models.tiny_lm import build_model
+from gyre_hpc.models.tokenizer import embedded_tokenizer
+from gyre_hpc.warmstart.sft import train_sft
+from gyre_hpc.warmstart.trajectories import teacher_runs
+
+# Bump when the teacher's behaviour or the SFT recipe changes in a way the key cannot see.
+RECIPE_VERSION = 1
+
+
+def _tasks(cfg: RunConfig):
+    tasks = load_suite(cfg.rollout.tasks)
+    missing = [t.task_id for t in tasks if t.task_id not in PLAYBOOKS]
+    if missing:
+        raise ValueError(f"warmstart: rollout.tasks={cfg.rollout.tasks!r} has tasks without a teacher playbook "
+                         f"({', '.join(missing)}); the teacher knows: {', '.join(PLAYBOOKS)}")
+    return tasks
+
+
+def teacher_harness(cfg: RunConfig) -> HarnessConfig:
+    """The run's harness settings, without its wall clock: a teacher run is never cut short
+    (on a loaded machine it would be, and the checkpoint would depend on the load)."""
+    return dataclasses.replace(HarnessConfig.from_rollout(cfg.rollout), run_timeout_s=3600.0)
+
+
+def _tokenizer_fingerprint() -> list:
+    """Ids of the chat-formatted system prompts, a generation prompt and a tool call: a new
+    tokenizer, chat template or call syntax changes them, so it gets a new checkpoint."""
+    tok = embedded_tokenizer()
+    chat = ChatFormat(tok)
+    return [tok.vocab_size, chat.message("system", SYSTEM_TEXT), chat.message("system", SUBAGENT_TEXT),
+            chat.generation_prompt(), list(format_action("write", "a.py", "x = 1\n", tokenizer=tok))]
+
+
+def warmstart_key(cfg: RunConfig) -> str:
+    tasks = _tasks(cfg)
+    harness = teacher_harness(cfg)
+    model = build_model(cfg.model.preset, seed=cfg.warmstart.seed)
+    fingerprint = {
+        "recipe": RECIPE_VERSION,
+        "tasks": [repr(t) for t in tasks],
+        "playbooks": [repr(PLAYBOOKS[t.task_id]) for t in tasks],
+        "harness": repr(harness),
+        "model": dataclasses.asdict(model.config),
+        "tokenizer": _tokenizer_fingerprint(),
+        "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir", "seed"}),
+        "seed": cfg.warmstart.seed,
+    }
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
+    """Teacher runs -> SFT -> HF checkpoint in ``out``; returns the report written beside it."""
+    # One thread unless told otherwise, as the fleet's ranks: on shared cores more threads
+    # than cores make every step slower (measured 12x on a loaded 2-core machine).
+    torch.set_num_threads(int(os.environ.get("GYRE_TORCH_THREADS", "1")))
+    t0 = time.perf_counter()
+    harness = teacher_harness(cfg)
+    ws = cfg.warmstart
+    runs = teacher_runs(_tasks(cfg), ws.runs_per_task, harness, seed=ws.seed)
+    teacher = runs.stats()
+    log(f"[warmstart] {teacher['runs']} teacher runs, {teacher['calls_mean']:.1f} calls each, "
+        f"{teacher['trained_tokens']} trained tokens ({time.perf_counter() - t0:.0f}s)")
+    model = build_model(cfg.model.preset, seed=ws.seed)
+    sft = train_sft(model, runs.trees, steps=ws.steps, lr=ws.lr, row_tokens=ws.row_tokens, max_s=ws.max_s,
+                    seed=ws.seed, log=log)
+    report = {"key": key, "suite": cfg.rollout.tasks, "preset": cfg.model.preset, "teacher": teacher,
+              "sft": dataclasses.asdict(sft), "seconds": time.perf_counter() - t0}
+    save_pretrained(model, out, extra={"warmstart": report})
+    (out / "warmstart.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def cached_warmstart(cfg: RunConfig) -> Path | None:
+    """The built checkpoint for ``cfg`` if the cache holds it, else None (builds nothing)."""
+    final = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg)
+    return final if (final / CONFIG_FILE).is_file() else None
+
+
+def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
+    """The cached checkpoint for ``cfg`` (built now if missing); its directory."""
+    root = Path(cfg.warmstart.cache_dir)
+    final = root / warmstart_key(cfg)
+    if cached_warmstart(cfg) is not None and not force:
+        log(f"[warmstart] using cached {final}")
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = root / f".{final.name}.{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    build_warmstart(cfg, scratch, final.name, log=log)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(scratch, final)
+    log(f"[warmstart] checkpoint {final}")
+    return final
+
+
+def with_warmstart(cfg: RunConfig, log=print) -> RunConfig:
+    """``cfg`` starting from its warm-start checkpoint (unchanged unless enabled and no model.path)."""
+    if not cfg.warmstart.enabled or cfg.model.path:
+        return cfg
+    path = ensure_warmstart(cfg, log=log)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path.resolve())})})

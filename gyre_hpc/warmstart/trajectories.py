@@ -1,0 +1,63 @@
+"""Teacher trajectories through the real harness loop, so their token ids are the harness's own.
+
+The teacher (``harness.teacher.TeacherClient``) stands in for the model client of an
+ordinary ``AgentRun``: the same prompts, tools, checker, compression, retries and
+delegation as an RL run with the same ``rollout`` settings. What comes back is the run's
+journal of calls, built into a tree exactly as the RL controller builds one.
+"""
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
+from gyre_hpc.harness.tasks import Task
+from gyre_hpc.harness.teacher import TeacherClient
+from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
+from gyre_hpc.trees.builder import build_tree
+from gyre_hpc.trees.model import Tree
+
+
+@dataclass(frozen=True)
+class TeacherRuns:
+    results: tuple[RunResult, ...]
+    trees: tuple[Tree, ...]
+
+    def stats(self) -> dict:
+        n = len(self.results)
+        calls = [len(r.calls) for r in self.results]
+        return {"runs": n, "calls_mean": sum(calls) / n, "calls_max": max(calls),
+                "reward_mean": sum(r.reward for r in self.results) / n,
+                "with_retry": sum(r.retries > 0 for r in self.results),
+                "with_compression": sum(r.compressions > 0 for r in self.results),
+                "with_subagent": sum(r.delegations > 0 for r in self.results),
+                "tokens": sum(t.n_tokens for t in self.trees),
+                "trained_tokens": int(sum(t.trained.sum() for t in self.trees))}
+
+
+async def _run_all(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, root: Path, seed: int,
+                   tokenizer: ChatTokenizer) -> list[RunResult]:
+    runs = []
+    for t in tasks:
+        for g in range(runs_per_task):
+            rid = f"teacher-{t.task_id}-{g}"
+            client = TeacherClient(t, seed=seed * 7919 + g, tokenizer=tokenizer)
+            runs.append(AgentRun(t, root / rid, client, root / f"{rid}.jsonl", cfg, run_id=rid, tokenizer=tokenizer))
+    return list(await asyncio.gather(*(r.run(resume=False) for r in runs)))
+
+
+def teacher_runs(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, seed: int = 0,
+                 workdir: str | Path | None = None, tokenizer: ChatTokenizer | None = None) -> TeacherRuns:
+    """``runs_per_task`` teacher runs of every task (seeds vary the detours), as trees; prompts
+    and calls in ``tokenizer``'s ids (the embedded default unless given)."""
+    tokenizer = tokenizer or embedded_tokenizer()
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed, tokenizer))
+    failed = [r.run_id for r in results if r.status == "failed"]
+    if failed:
+        raise RuntimeError(f"teacher runs {failed[:3]} failed: {[r.error for r in results if r.error][:3]}")
+    trees = tuple(build_tree(r.calls, run_id=r.run_id, task_id=r.task_id, reward=r.reward, status=r.status,
+                             wall_s=r.wall_s) for r in results)
+    return TeacherRuns(tuple(results), trees)

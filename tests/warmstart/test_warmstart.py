@@ -1,0 +1,72 @@
+"""The warm start: teacher trajectories through the real loop, SFT on their trees, the cached checkpoint."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gyre_hpc.config import build_config
+from gyre_hpc.harness.tasks import load_suite
+from gyre_hpc.models.checkpoint import load_pretrained
+from gyre_hpc.models.tiny_lm import build_model
+from gyre_hpc.warmstart.cache import cached_warmstart, ensure_warmstart, teacher_harness, warmstart_key, with_warmstart
+from gyre_hpc.warmstart.sft import train_sft
+from gyre_hpc.warmstart.trajectories import teacher_runs
+
+
+def _cfg(tmp_path, *extra):
+    return build_config({"workload": "rl", "rollout": {"tasks": "long", "max_new_tokens": 176, "context_limit": 768,
+                                                       "subagent_turns": 6, "tool_output_bytes": 192}},
+                        [f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.runs_per_task=1", "warmstart.steps=3",
+                         "warmstart.enabled=true", *extra])
+
+
+def test_teacher_trees_train_every_teacher_output_and_sft_lowers_the_loss(tmp_path):
+    cfg = _cfg(tmp_path)
+    runs = teacher_runs(load_suite("long")[:1], 1, teacher_harness(cfg))
+    (result,), (tree,) = runs.results, runs.trees
+    assert result.reward == 1.0 and runs.stats()["with_retry"] == 1
+    assert int(tree.trained.sum()) == sum(c.output.size for c in result.calls)
+    torch.set_num_threads(1)     # shared cores: more threads only slow each step
+    model = build_model("tiny", seed=0)
+    report = train_sft(model, runs.trees, steps=20, lr=1e-2, row_tokens=2048, max_s=300)
+    assert report.steps == 20 and report.stopped_by == "steps"
+    assert report.loss_last < 0.8 * report.loss_first
+
+
+def test_warmstart_key_follows_suite_preset_and_settings(tmp_path):
+    base = warmstart_key(_cfg(tmp_path))
+    assert base == warmstart_key(_cfg(tmp_path, "rollout.run_timeout_s=7"))   # the wall clock does not shape it
+    assert base != warmstart_key(_cfg(tmp_path, "model.preset=small"))
+    assert base != warmstart_key(_cfg(tmp_path, "rollout.context_limit=1024"))
+    assert base != warmstart_key(_cfg(tmp_path, "warmstart.lr=0.5"))
+    assert base != warmstart_key(_cfg(tmp_path, "warmstart.seed=1"))
+    assert base == warmstart_key(_cfg(tmp_path, "seed=3"))      # RL seeds share one warm start
+
+
+def test_warmstart_refuses_a_suite_the_teacher_does_not_know(tmp_path):
+    with pytest.raises(ValueError, match="without a teacher playbook"):
+        warmstart_key(_cfg(tmp_path, "rollout.tasks=easy"))
+
+
+@pytest.mark.slow
+def test_warmstart_builds_once_and_points_the_run_at_its_checkpoint(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert cached_warmstart(cfg) is None
+    path = ensure_warmstart(cfg, log=lambda m: None)
+    assert cached_warmstart(cfg) == path
+    report = json.loads((path / "warmstart.json").read_text())
+    assert report["key"] == path.name and report["sft"]["steps"] == 3 and report["teacher"]["reward_mean"] == 1.0
+    model = load_pretrained(path)
+    assert model.config.vocab_size == build_model("tiny").config.vocab_size
+    weights = (path / "model.safetensors").stat().st_mtime_ns
+    logs = []
+    started = with_warmstart(cfg, log=logs.append)
+    assert started.model.path == str(path.resolve()) and "cached" in logs[0]
+    assert (path / "model.safetensors").stat().st_mtime_ns == weights
+    assert with_warmstart(started).model.path == started.model.path          # an explicit path wins
+    assert with_warmstart(_cfg(tmp_path, "warmstart.enabled=false")).model.path is None
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]   # no scratch left behind
+    assert np.isfinite(report["sft"]["loss_last"])
