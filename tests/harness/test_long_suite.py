@@ -9,7 +9,7 @@ import pytest
 
 from gyre_hpc.harness.actions import parse_action
 from gyre_hpc.harness.client import Completion
-from gyre_hpc.harness.journal import load_journal
+from gyre_hpc.harness.journal import JournalWriter, load_journal
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import check_workspace, load_suite
 from gyre_hpc.harness.tasks.longhorizon import PLAYBOOKS
@@ -116,9 +116,16 @@ def test_journal_cut_mid_record_resumes_with_every_committed_call(tmp_path):
     task = _tasks()["lh-stats"]
     full = _run(tmp_path, task, TeacherClient(task, seed=0), name="a")
     path = tmp_path / "a.jsonl"
-    lines = path.read_bytes().split(b"\n")
-    keep = 8    # the run record and 7 calls, then half of the 8th call record
-    path.write_bytes(b"\n".join(lines[:keep]) + b"\n" + lines[keep][: len(lines[keep]) // 2])
+    keep = 8    # 7 committed calls, then half of the 8th call's record
+    calls = load_journal(path).calls
+    w = JournalWriter.create(path, "a", task.task_id)
+    for c in calls[: keep - 1]:
+        w.append_call(c)
+    committed = path.stat().st_size
+    w.append_call(calls[keep - 1])
+    w.close()
+    with open(path, "r+b") as f:
+        f.truncate(committed + (path.stat().st_size - committed) // 2)
     state = load_journal(path)
     assert state.status == "running" and len(state.calls) == keep - 1 and state.torn_bytes > 0
     shutil.rmtree(tmp_path / "ws-a")
