@@ -50,7 +50,8 @@ class EngineBookkeeping:
 
     Why a mixin and not code in ``Engine``: the interface stays abstract (an engine may hold
     these elsewhere), while TorchEngine and VLLMEngine share one copy of the bookkeeping:
-    ``_layout``, ``_version``, ``_c`` (counter values), ``_asleep`` and ``_needs_weights``.
+    ``_layout``, ``_version``, ``_c`` (counter values), ``_asleep``, ``_needs_weights`` and
+    ``_finished`` (outputs not yet popped).
     """
 
     name: str
@@ -59,6 +60,7 @@ class EngineBookkeeping:
     _c: dict[str, int]
     _asleep: int
     _needs_weights: bool
+    _finished: dict[str, Output]
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -70,6 +72,14 @@ class EngineBookkeeping:
 
     def counters(self) -> EngineCounters:
         return EngineCounters(**self._c)
+
+    def pop_output(self, request_id: str) -> Output | None:
+        return self._finished.pop(request_id, None)
+
+    def pop_finished(self) -> list[Output]:
+        out = list(self._finished.values())
+        self._finished.clear()
+        return out
 
     def _check_usable(self, action: str) -> None:
         if self._asleep:

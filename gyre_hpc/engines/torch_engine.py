@@ -174,14 +174,6 @@ class TorchEngine(EngineBookkeeping, Engine):
                     budget -= self._continue_staging(budget, events)
         return events
 
-    def pop_output(self, request_id: str) -> Output | None:
-        return self._finished.pop(request_id, None)
-
-    def pop_finished(self) -> list[Output]:
-        out = list(self._finished.values())
-        self._finished.clear()
-        return out
-
     # -- the model -----------------------------------------------------------------------
     def _prefill(self, seq: _Sequence) -> TokenEvent | None:
         """Fill a cache row with the prompt and sample the first token. A recompute state

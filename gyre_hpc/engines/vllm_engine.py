@@ -212,14 +212,6 @@ class VLLMEngine(EngineBookkeeping, Engine):
                                              completion.finish_reason or "stop", t.seed, t.policy_version, t.migrations)
         return events
 
-    def pop_output(self, request_id: str) -> Output | None:
-        return self._finished.pop(request_id, None)
-
-    def pop_finished(self) -> list[Output]:
-        out = list(self._finished.values())
-        self._finished.clear()
-        return out
-
     # -- migration -------------------------------------------------------------------------
     def kv_export(self, request_id: str) -> KVState:
         t = self._reqs.get(request_id)
