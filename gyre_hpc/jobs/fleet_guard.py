@@ -22,6 +22,20 @@ import time
 GRACE_S = 5.0
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:
+    import ctypes
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:   # the guard died before prctl took effect
+        os._exit(137)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -I fleet_guard.py FD -- CMD...", file=sys.stderr)
@@ -30,8 +44,11 @@ def main(argv: list[str]) -> int:
     # The group's SIGTERM is for the command; the guard stays to report its status.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # An ignored signal stays ignored across exec: the command gets SIGTERM back (the guard is
-    # single-threaded, so preexec_fn is safe here).
-    child = subprocess.Popen(command, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    # single-threaded, so preexec_fn is safe here). And the command dies with the guard: a
+    # SIGKILL of the guard itself (the process a supervisor or an operator sees) must not leave
+    # mpiexec running beside the next launch; PDEATHSIG is safe here because the guard's only
+    # thread forked it and lives as long as the guard.
+    child = subprocess.Popen(command, preexec_fn=_child_setup)
     sel = selectors.DefaultSelector()
     sel.register(head_fd, selectors.EVENT_READ)
     while True:
