@@ -51,7 +51,7 @@ class EngineBookkeeping:
     Why a mixin and not code in ``Engine``: the interface stays abstract (an engine may hold
     these elsewhere), while TorchEngine and VLLMEngine share one copy of the bookkeeping:
     ``_layout``, ``_version``, ``_c`` (counter values), ``_asleep``, ``_needs_weights`` and
-    ``_finished`` (outputs not yet popped).
+    ``_finished`` (outputs not yet popped) and ``_accepting`` (open to new requests).
     """
 
     name: str
@@ -61,6 +61,7 @@ class EngineBookkeeping:
     _asleep: int
     _needs_weights: bool
     _finished: dict[str, Output]
+    _accepting: bool
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -72,6 +73,13 @@ class EngineBookkeeping:
 
     def counters(self) -> EngineCounters:
         return EngineCounters(**self._c)
+
+    def close_admission(self) -> None:
+        self._accepting = False
+
+    def open(self) -> None:
+        self._check_usable("open")
+        self._accepting = True
 
     def pop_output(self, request_id: str) -> Output | None:
         return self._finished.pop(request_id, None)

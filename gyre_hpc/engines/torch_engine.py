@@ -314,13 +314,6 @@ class TorchEngine(EngineBookkeeping, Engine):
         row = self._add_row(seq, state.cached_len + 1)
         self._cache.write(row, [(k.to(self._device), v.to(self._device)) for k, v in state.kv])
 
-    def close_admission(self) -> None:
-        self._accepting = False
-
-    def open(self) -> None:
-        self._check_usable("open")
-        self._accepting = True
-
     # -- weights and memory --------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         expected = self.model.state_dict()

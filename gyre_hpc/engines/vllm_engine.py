@@ -235,13 +235,6 @@ class VLLMEngine(EngineBookkeeping, Engine):
                   min(state.policy_version, self._version))
         self._c["migrations_in"] += 1
 
-    def close_admission(self) -> None:
-        self._accepting = False
-
-    def open(self) -> None:
-        self._check_usable("open")
-        self._accepting = True
-
     # -- weights and memory ------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         where = f"engine {self.name}.load_weights(version={version})"
