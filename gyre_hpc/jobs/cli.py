@@ -30,7 +30,7 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
 
     cfg = _load(config, overrides)
     if cfg.workload == "rl":
-        from gyre_hpc.rl.progress import progress_display
+        from gyre_hpc.jobs.progress import progress_display
         with progress_display(cfg):
             result = run_head(cfg)
     else:
@@ -43,7 +43,7 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
             click.echo(f"  {label:<12} {path}")
     click.echo(f"summary: gyre-hpc inspect {run_dir.root}")
     if cfg.workload == "rl":
-        from gyre_hpc.rl.progress import notebook_hint
+        from gyre_hpc.jobs.progress import notebook_hint
         hint = notebook_hint(run_dir.root)
         if hint:
             click.echo(hint)

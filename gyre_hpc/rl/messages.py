@@ -1,8 +1,7 @@
-"""The RL fleet's own commands and replies, beside the substrate's ``cells.protocol``.
+"""The RL workload's commands and replies, on top of the fleet protocol (``cells.protocol``).
 
-They travel on the same world tags (``TAG_COMMAND`` down, ``TAG_REPLY`` up) and a cell rank
-handles them in the same loop as ``protocol.Flip`` and ``protocol.Stop``, so the flip
-machinery of ``gyre_hpc.cells`` is used unchanged. Micro-batches are pickled: packed rows of a
+They go out through the controller's ``send``/``broadcast`` and each owes one reply like any
+fleet command; the cell rank's one serve loop hands them to ``rl.rank.RLRankHandler``. Micro-batches are pickled: packed rows of a
 tiny model are kilobytes; weights move with the chunked broadcasts of ``cells.weights``.
 """
 from __future__ import annotations
@@ -32,12 +31,6 @@ class Finish:
     n_runs: int
     policy_version: int     # the version the update produces
     checksums: bool = False
-
-
-@dataclass(frozen=True)
-class SaveRL:
-    directory: str
-    extra: dict
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import Task, TaskTest, load_suite
 from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.rl.batches import ReplicaSpeeds, group_micro_batches, pick_replica
-from gyre_hpc.rl.controller import sample_runs
+from gyre_hpc.rl.runs import sample_runs
 from gyre_hpc.rl.fleet import check_rl_config
-from gyre_hpc.rl.progress import read_progress
+from gyre_hpc.jobs.progress import read_progress
 from gyre_hpc.rl.router_client import RouterDriver
 from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer, runs_in_step
 from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow, TimelineRow
@@ -212,7 +212,7 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
     import dataclasses
     import json
 
-    from gyre_hpc.rl.controller import STEP_ROWS_FILE, restore_step_rows
+    from gyre_hpc.rl.driver import STEP_ROWS_FILE, restore_step_rows
 
     rows = [RunRow(time=1.0, step=3, run_id="s3", task_id="t", status="finished", reward=0.5),
             StepRow(step=3, time=1.0, wall_s=2.0, loss=0.25, reward_mean=0.5)]
@@ -228,7 +228,7 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
 
 
 def test_notebook_hint_names_the_notebooks_and_the_run(tmp_path):
-    from gyre_hpc.rl.progress import notebook_hint
+    from gyre_hpc.jobs.progress import notebook_hint
 
     assert notebook_hint(tmp_path / "runs" / "r", root=tmp_path / "none") is None
     (tmp_path / "analysis").mkdir()

@@ -1,6 +1,10 @@
-"""Rank 0 of the RL fleet: harness runs, routing, trees, streaming training, flips, checkpoints.
+"""The RL workload's step driver on rank 0: harness runs, routing, trees, streaming training.
 
-One asyncio loop on one thread does everything that touches MPI on this rank. Each agent
+It drives each step through the one fleet controller (``cells.controller.Controller``):
+every command goes out with ``send``/``broadcast`` and every reply comes back through
+``poll_replies``/``collect``, so a silent replica fails the fleet within the reply timeout,
+naming the rank and the command it owed. Flips, checkpoints and the stop are the
+controller's. One asyncio loop on one thread does everything that touches MPI on this rank. Each agent
 run is a task (``harness.loop.AgentRun``) whose model calls go through ``RouterDriver`` to
 the ROLLOUT engines; tools and checkers run in worker threads, so the loop keeps pumping
 (``_pump``): engine token streams, replicas' micro-batch reports, policy decisions, and
@@ -15,7 +19,7 @@ dealing micro-batches. A step:
 3. every ``scheduler.interval_s`` the policy sees a ClusterState built from live counters
    and may flip cells. ROLLOUT -> TRAIN first drains the engine through the router (in-flight
    sequences move with their KV cache and continue on the remaining engines), then all ranks
-   meet in ``cells.controller.Controller.flip`` (re-derived train_comm; weights AND optimizer
+   meet in ``Controller.flip`` (re-derived train_comm; weights AND optimizer
    state from the core cell). A replica that leaves TRAIN mid-step hands its micro-batches
    back; the others redo them;
 4. once every run is done and every micro-batch trained: allreduce, optimizer step (version
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,26 +41,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
-from gyre_hpc.cells import checkpoint, protocol
-from gyre_hpc.cells.controller import CHECKPOINT_AND_EXIT, EXIT_CHECKPOINTED, EXIT_DONE, Controller, FlipRecord
-from gyre_hpc.engines.mpi_engines import MPIEngines
+from gyre_hpc.cells.controller import Controller, FlipRecord
 from gyre_hpc.cells.plan import Cell, core_cell, train_ranks
+from gyre_hpc.engines.mpi_engines import MPIEngines
 from gyre_hpc.engines.router import Router
-from gyre_hpc.config import RunConfig
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
-from gyre_hpc.harness.tasks import Task
 from gyre_hpc.rl import messages
-from gyre_hpc.rl.tasks import load_tasks
-from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
+from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
+from gyre_hpc.rl.runs import RunSpec, sample_runs
+from gyre_hpc.rl.tasks import load_tasks
 from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
-from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import EngineRow, MetricsWriter, RunRow, StepRow
+from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow
 from gyre_hpc.sched.staleness import staleness_bound
-from gyre_hpc.sched.state import CellState, ClusterState, Policy, Role, RoleChange
+from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 from gyre_hpc.trees.builder import build_tree
 from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.store import TreeStore
@@ -99,37 +98,6 @@ class CountingEngines(MPIEngines):
     def pause(self, engines) -> dict:
         """Each paused engine's counters (the ``stop`` reply)."""
         return {e: self.call(e, "stop") for e in engines}
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    step: int
-    group: int          # task slot k in the step: the advantage group
-    index: int          # g within the group
-    task: Task
-    seed: int
-
-    @property
-    def run_id(self) -> str:
-        return f"s{self.step:05d}-t{self.group}-g{self.index}"
-
-
-def sample_runs(tasks: list[Task], cfg: RunConfig, step: int) -> list[RunSpec]:
-    """The runs of ``step``: ``tasks_per_step`` tasks (seeded by run seed and step), G runs each.
-
-    A pure function of (config, step), so a relaunched fleet asks for the very same runs
-    (same ids, same seeds) and finds their journals and stored trees.
-    """
-    rc = cfg.rollout
-    rng = np.random.default_rng([cfg.seed, step])
-    k = rc.tasks_per_step
-    picks = rng.permutation(len(tasks))[:k] if k <= len(tasks) else rng.integers(0, len(tasks), k)
-    specs = []
-    for slot, t in enumerate(picks):
-        for g in range(rc.runs_per_task):
-            digest = hashlib.blake2b(f"{cfg.seed}/{step}/{slot}/{g}".encode(), digest_size=8).digest()
-            specs.append(RunSpec(step, slot, g, tasks[int(t)], int.from_bytes(digest, "little") >> 1))
-    return specs
 
 
 @dataclass
@@ -189,38 +157,19 @@ class RLStepRecord:
     checksums: dict[int, str] | None = None
 
 
-@dataclass
-class RLFleetResult:
-    exit_code: int
-    first_step: int
-    last_completed: int
-    steps: list[RLStepRecord] = field(default_factory=list)
-    flips: list[FlipRecord] = field(default_factory=list)
-    migrations: int = 0
-    recomputed_prefill_tokens: int = 0
-
-
-class RLController:
-    def __init__(self, world: MPI.Intracomm, engine_comm: MPI.Intracomm, cfg: RunConfig, run: RunDir,
-                 cells: tuple[Cell, ...], policy: Policy, metrics: MetricsWriter, store: TreeStore,
-                 start_step: int, policy_version: int, trained_upto: int, verify_weights: bool = False):
-        self.world, self.cfg, self.run, self.metrics, self.store = world, cfg, run, metrics, store
-        self.fleet = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
-                                start_step=start_step, policy_version=policy_version, verify_weights=verify_weights)
-        self.policy = policy
-        self.start_step = start_step
-        self.policy_version = policy_version
+class RLStepDriver:
+    def __init__(self, fleet: Controller, engine_comm, store: TreeStore, trained_upto: int):
+        self.fleet = fleet
+        self.cfg, self.run, self.metrics, self.store = fleet.cfg, fleet.run, fleet.metrics, store
         self.trained_upto = trained_upto
-        self.verify_weights = verify_weights
-        self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in cells})
-        self.router = Router(self.transport, [c.id for c in cells if c.role is Role.ROLLOUT])
-        self.driver = RouterDriver(self.router, temperature=cfg.rollout.temperature)
-        self.tasks = load_tasks(cfg.rollout.tasks)
-        self.harness_cfg = HarnessConfig.from_rollout(cfg.rollout)
+        self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in fleet.cells})
+        self.router = Router(self.transport, [c.id for c in fleet.cells if c.role is Role.ROLLOUT])
+        self.driver = RouterDriver(self.router, temperature=self.cfg.rollout.temperature)
+        self.tasks = load_tasks(self.cfg.rollout.tasks)
+        self.harness_cfg = HarnessConfig.from_rollout(self.cfg.rollout)
         self.speeds = ReplicaSpeeds()
         self.serving: set[int] = set()
         self.engine_counters: dict[int, object] = {}   # engine -> counters at its last pause
-        self.result = RLFleetResult(exit_code=-1, first_step=start_step, last_completed=start_step - 1)
         self.switch_s = {Role.TRAIN: None, Role.ROLLOUT: None}   # measured flip costs by target role
         self._engine_mark = (time.monotonic(), dict(self.transport.tokens))
         self._engine_rate: dict[int, float] = {}
@@ -228,21 +177,32 @@ class RLController:
         self._inflight_integral: dict[int, float] = {}   # engine -> sum of requests held x seconds
         self._last_pump = time.monotonic()
         self._step_rows: list = []      # the last completed step's metrics rows, written after its checkpoint
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.fleet.policy_version
+
+    @property
+    def result(self):
+        return self.fleet.result
 
     @property
     def cells(self) -> tuple[Cell, ...]:
         return self.fleet.cells
 
     def cell(self, cid: int) -> Cell:
-        return next(c for c in self.cells if c.id == cid)
+        return self.fleet.cell(cid)
 
     # ---- engines: serve / pause ----------------------------------------------------------
     def resume_engines(self) -> None:
-        for c in self.cells:
-            if c.role is Role.ROLLOUT and c.id not in self.serving:
-                self.world.send(messages.Serve(self.policy_version), dest=c.leader, tag=protocol.TAG_COMMAND)
-                self.transport.resume(c.id)
-                self.serving.add(c.id)
+        opening = [c for c in self.cells if c.role is Role.ROLLOUT and c.id not in self.serving]
+        for c in opening:
+            self.fleet.send(c.leader, messages.Serve(self.policy_version))
+        self.fleet.collect([c.leader for c in opening])     # each acks, then serves its engine
+        for c in opening:
+            self.transport.resume(c.id)
+            self.serving.add(c.id)
 
     def pause_engines(self) -> None:
         self.engine_counters.update(self.transport.pause(sorted(self.serving)))
@@ -308,27 +268,26 @@ class RLController:
             mb = st.pending.pop(0)
             rank = pick_replica(free, held, self.speeds, mb.tokens)
             st.outstanding.setdefault(rank, []).append(mb)
-            self.world.send(messages.Train(mb), dest=rank, tag=protocol.TAG_COMMAND)
+            self.fleet.send(rank, messages.Train(mb))
 
     def _poll_train(self, st: StepState, block: bool = False) -> None:
-        status = MPI.Status()
+        """Take the replicas' micro-batch reports; ``block``: until none is outstanding."""
         while any(st.outstanding.values()):
-            if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
-                if not block:
-                    return
+            replies = self.fleet.poll_replies()
+            for rank, rep in replies:
+                if not isinstance(rep, messages.TrainReport):
+                    raise RuntimeError(f"controller expected a TrainReport, got {type(rep).__name__} from rank {rank}")
+                held = st.outstanding[rep.rank]
+                mb = next(m for m in held if m.mb_id == rep.mb_id)
+                held.remove(mb)
+                st.done_by.setdefault(rep.rank, []).append(mb)
+                st.losses[mb.mb_id] = rep.loss
+                self.speeds.record(rep.rank, rep.tokens, rep.seconds)
+                self._trained_in_window[rep.rank] = self._trained_in_window.get(rep.rank, 0) + rep.tokens
+            if not block:
+                return
+            if not replies:
                 time.sleep(0.0005)
-                continue
-            rep = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)
-            if not isinstance(rep, messages.TrainReport):
-                raise RuntimeError(f"controller expected a TrainReport, got {type(rep).__name__} from rank "
-                                   f"{status.Get_source()}")
-            held = st.outstanding[rep.rank]
-            mb = next(m for m in held if m.mb_id == rep.mb_id)
-            held.remove(mb)
-            st.done_by.setdefault(rep.rank, []).append(mb)
-            st.losses[mb.mb_id] = rep.loss
-            self.speeds.record(rep.rank, rep.tokens, rep.seconds)
-            self._trained_in_window[rep.rank] = self._trained_in_window.get(rep.rank, 0) + rep.tokens
 
     # ---- policy --------------------------------------------------------------------------
     def cluster_state(self, st: StepState) -> ClusterState:
@@ -383,7 +342,7 @@ class RLController:
         self.metrics.append(rows)
 
     def consult(self, st: StepState) -> list[FlipRecord]:
-        changes = [ch for ch in self.policy(self.cluster_state(st)) if self.cell(ch.cell).role is not Role(ch.to)]
+        changes = self.fleet.decide(self.cluster_state(st))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.cells if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
         if leaving and not engines_after and (st.unfinished or self.router.unfinished()):
@@ -415,11 +374,10 @@ class RLController:
         for r in records:
             self.switch_s[Role(r.to)] = took
         st.flips.extend(records)
-        self.result.flips.extend(records)
         return records
 
     # ---- the step ------------------------------------------------------------------------
-    async def run_step(self, step: int) -> RLStepRecord | None:
+    async def run_step_async(self, step: int) -> RLStepRecord | None:
         t0 = time.perf_counter()
         st = StepState(step, self.sample_runs(step), start_version=self.policy_version)
         stored = self.stored_trees(step)
@@ -476,7 +434,7 @@ class RLController:
         # Staleness: every sampled token must come from weights at most max_staleness
         # versions behind the ones this update starts from (0 here: steps are sequential and
         # engines get new weights before the next batch; checked, not assumed).
-        gate = staleness_bound(self.policy)
+        gate = staleness_bound(self.fleet.policy)
         stale = [o.spec.run_id for o in outs if o.tree.n_paths and st.start_version - o.tree.policy_version > gate]
         if stale:
             raise RuntimeError(f"step {st.step}: runs {stale[:5]} were sampled more than "
@@ -488,10 +446,8 @@ class RLController:
         if n_runs:
             t_opt = time.perf_counter()
             version = self.policy_version + 1
-            for r in ranks:
-                self.world.send(messages.Finish(st.step, n_runs, version, self.verify_weights), dest=r,
-                                tag=protocol.TAG_COMMAND)
-            reps = self._collect(ranks)
+            self.fleet.broadcast(messages.Finish(st.step, n_runs, version, self.fleet.verify_weights), ranks)
+            reps = self.fleet.collect(ranks)
             bad = [r for r, rep in reps.items() if int(round(rep.replicas)) != len(ranks)]
             if bad:
                 raise RuntimeError(f"step {st.step}: ranks {bad} reduced over a train_comm that is not the "
@@ -502,9 +458,8 @@ class RLController:
             for e in self.router.engines:
                 self.transport.call(e, "load_weights", (state, version))
             sync_s = time.perf_counter() - t_sync
-            self.policy_version = version
             self.fleet.policy_version = version
-            if self.verify_weights:
+            if self.fleet.verify_weights:
                 checksums = {r: rep.checksum for r, rep in reps.items()}
         self.trained_upto = len(self.store)
         rewards = [o.tree.reward for o in outs]
@@ -527,78 +482,45 @@ class RLController:
                                        policy_version=self.policy_version))
         return rec
 
-    def _collect(self, ranks: list[int]) -> dict[int, object]:
-        got: dict[int, object] = {}
-        status = MPI.Status()
-        while len(got) < len(ranks):
-            if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
-                got[status.Get_source()] = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)
-            else:
-                time.sleep(0.0005)
-        return got
+    # ---- the fleet's hooks ---------------------------------------------------------------
+    def begin(self) -> None:
+        # Tools and checkers wait in worker threads (subprocesses, sleeps): one per run, so a
+        # run never queues behind another's tool call (the default pool has cores + 4).
+        runs = self.cfg.rollout.tasks_per_step * self.cfg.rollout.runs_per_task
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(ThreadPoolExecutor(max_workers=2 * runs + 4))
+        self.resume_engines()
 
-    # ---- checkpoints and the whole run -----------------------------------------------------
-    def save_checkpoint(self, step: int) -> Path:
-        staging = checkpoint.staging_dir(self.run.checkpoints, step)
-        core = core_cell(self.cells).leader
-        extra = {"step": step, "policy_version": self.policy_version}
-        self.world.send(messages.SaveRL(str(staging), extra), dest=core, tag=protocol.TAG_COMMAND)
-        self._collect([core])
+    def run_step(self, step: int) -> RLStepRecord | None:
+        rec = self._loop.run_until_complete(self.run_step_async(step))
+        if rec is not None:
+            print(f"[rl] step {step}/{self.cfg.train.steps} reward {rec.reward_mean:.3f} loss {rec.loss:.4f} "
+                  f"train cells {list(rec.train_cells)} flips {rec.flips} migrations {rec.migrations} "
+                  f"{rec.wall_s:.2f}s", flush=True)
+        return rec
+
+    def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
         rows = [r for r in self._step_rows if r.step == step]
         (staging / STEP_ROWS_FILE).write_text(json.dumps([[type(r).__name__, dataclasses.asdict(r)] for r in rows]))
-        meta = checkpoint.CheckpointMeta(step=step, policy_version=self.policy_version,
-                                         roles={str(c.id): c.role.value for c in self.cells},
-                                         files=list(OPTIMIZER_FILES) + [STEP_ROWS_FILE],
-                                         extra={"trees_committed": len(self.store), "trained_upto": self.trained_upto,
-                                                "workload": "rl"})
-        return checkpoint.commit(self.run.checkpoints, step, meta, keep=self.fleet.keep_checkpoints)
+        return (list(OPTIMIZER_FILES) + [STEP_ROWS_FILE],
+                {"trees_committed": len(self.store), "trained_upto": self.trained_upto, "workload": "rl"})
 
-    def stop(self, code: int) -> RLFleetResult:
+    def sealed(self, step: int) -> None:
+        pass
+
+    def step_done(self, step: int, checkpointed: bool) -> None:
+        # A step's rows are written once its checkpoint is committed, so a fleet killed in
+        # between redoes the step without a second row for it (the checkpoint carries the
+        # rows; a relaunch writes them if the kill came right after the commit).
+        self.metrics.append(self._step_rows)
+        self._step_rows = []
+
+    def before_stop(self) -> None:
         self.pause_engines()
         # Prompt tokens prefilled more than once across engines: 0 unless a migrated
         # sequence was recomputed instead of continued from its KV cache.
         prefilled = sum(c.prefill_tokens for c in self.engine_counters.values())
         self.result.recomputed_prefill_tokens = prefilled - self.driver.prompt_tokens
-        for c in self.cells:
-            for r in c.ranks:
-                self.world.send(protocol.Stop(code), dest=r, tag=protocol.TAG_COMMAND)
-        self.result.exit_code = code
-        return self.result
-
-    async def serve_async(self) -> RLFleetResult:
-        steps = self.cfg.train.steps
-        # Tools and checkers wait in worker threads (subprocesses, sleeps): one per run, so a
-        # run never queues behind another's tool call (the default pool has cores + 4).
-        runs = self.cfg.rollout.tasks_per_step * self.cfg.rollout.runs_per_task
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * runs + 4))
-        self.resume_engines()
-        last_saved = self.start_step - 1
-        step = self.start_step
-        while step <= steps and not self.fleet.exit_requested():
-            rec = await self.run_step(step)
-            if rec is None:
-                break
-            self.result.steps.append(rec)
-            self.result.last_completed = step
-            print(f"[rl] step {step}/{steps} reward {rec.reward_mean:.3f} loss {rec.loss:.4f} "
-                  f"train cells {list(rec.train_cells)} flips {rec.flips} migrations {rec.migrations} "
-                  f"{rec.wall_s:.2f}s", flush=True)
-            if step % self.cfg.train.checkpoint_every == 0 or step == steps:
-                self.save_checkpoint(step)
-                last_saved = step
-            # A step's rows are written once its checkpoint is committed, so a fleet killed in
-            # between redoes the step without a second row for it (the checkpoint carries the
-            # rows; a relaunch writes them if the kill came right after the commit).
-            self.metrics.append(self._step_rows)
-            self._step_rows = []
-            step += 1
-        if self.result.last_completed >= steps:
-            return self.stop(EXIT_DONE)
-        if self.result.last_completed > last_saved:
-            self.save_checkpoint(self.result.last_completed)
-        print(f"[rl] {CHECKPOINT_AND_EXIT}: checkpointed step {self.result.last_completed}, exiting "
-              f"{EXIT_CHECKPOINTED}", flush=True)
-        return self.stop(EXIT_CHECKPOINTED)
-
-    def serve(self) -> RLFleetResult:
-        return asyncio.run(self.serve_async())
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
