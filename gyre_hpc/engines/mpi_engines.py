@@ -176,8 +176,10 @@ class _EngineServer:
 class MPIEngines:
     """The router's transport to engines served by ``serve_engine`` in other ranks."""
 
-    def __init__(self, comm, ranks: Mapping[int, int], poll_timeout_s: float = 0.05):
+    def __init__(self, comm, ranks: Mapping[int, int], poll_timeout_s: float = 0.05,
+                 reply_timeout_s: float = 600.0):
         self.comm = comm
+        self.reply_timeout_s = reply_timeout_s   # an engine silent this long on a command fails the caller
         self.ranks = dict(ranks)              # engine id -> rank
         self._engine_of = {r: e for e, r in self.ranks.items()}
         self._pending: list[EngineReport] = []
@@ -214,8 +216,14 @@ class MPIEngines:
 
         got: dict[int, object] = {}
         errors: list[str] = []
+        deadline = time.monotonic() + self.reply_timeout_s
         while set(expect) - set(got):
-            r = self._receive_one(_wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG))
+            status = _wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG, max(0.0, deadline - time.monotonic()))
+            if status is None:
+                silent = {e: expect[e] for e in sorted(set(expect) - set(got))}
+                raise EngineError("; ".join(f"engine {e} (rank {self.ranks[e]}) did not answer {op!r} within "
+                                            f"{self.reply_timeout_s:g} s" for e, op in silent.items()))
+            r = self._receive_one(status)
             if r is None:
                 continue
             engine, op, payload = r

@@ -85,8 +85,8 @@ class CountingEngines(MPIEngines):
     """MPIEngines that also counts each engine's decoded tokens (its measured throughput)
     and can pause an engine's serve loop so its rank can join a world-wide collective."""
 
-    def __init__(self, comm, ranks, poll_timeout_s: float = 0.0):
-        super().__init__(comm, ranks, poll_timeout_s)
+    def __init__(self, comm, ranks, poll_timeout_s: float = 0.0, reply_timeout_s: float = 600.0):
+        super().__init__(comm, ranks, poll_timeout_s, reply_timeout_s)
         self.tokens = {e: 0 for e in self.ranks}
 
     def poll(self):
@@ -162,7 +162,8 @@ class RLStepDriver:
         self.fleet = fleet
         self.cfg, self.run, self.metrics, self.store = fleet.cfg, fleet.run, fleet.metrics, store
         self.trained_upto = trained_upto
-        self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in fleet.cells})
+        self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in fleet.cells},
+                                         reply_timeout_s=fleet.reply_timeout_s)
         self.router = Router(self.transport, [c.id for c in fleet.cells if c.role is Role.ROLLOUT])
         self.driver = RouterDriver(self.router, temperature=self.cfg.rollout.temperature)
         self.tasks = load_tasks(self.cfg.rollout.tasks)

@@ -22,6 +22,10 @@ class Serve:
 class Train:
     micro_batch: MicroBatch
 
+    @property
+    def step(self) -> int:
+        return self.micro_batch.step
+
 
 @dataclass(frozen=True)
 class Finish:

@@ -160,3 +160,17 @@ def test_stop_request_checkpoints_exits_75_and_the_next_start_finishes_the_run(t
     assert len(ids) == 4 * 8 and len(set(ids)) == len(ids)
     steps = read_table(run.metrics, "steps")["step"].tolist()
     assert sorted(steps) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow   # waits out a 20 s reply timeout
+def test_a_silent_replica_fails_the_rl_fleet_within_the_reply_timeout_naming_rank_and_message(tmp_path):
+    cfg = rl_config(tmp_path, train={"steps": 1})
+    run = write_run_dir(cfg)
+    n = 1 + cfg.cells.count * cfg.cells.ranks_per_cell
+    t0 = time.monotonic()
+    proc = subprocess.run(["mpiexec", "--oversubscribe", "-n", str(n), sys.executable,
+                           str(REPO / "tests/rl/fleet_program.py"), str(run.root), "--stall-timeout", "20"],
+                          capture_output=True, text=True, timeout=250, env=mpi_env(), cwd=REPO)
+    assert proc.returncode not in (0, 75)
+    assert "cell ranks [1] did not answer Train (step 1) within 20 s" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 200      # the stalled rank would have slept 300 s
