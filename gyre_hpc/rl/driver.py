@@ -154,6 +154,7 @@ class RLStepRecord:
     flips: int
     optimizer_s: float = 0.0      # allreduce + optimizer step, as the controller waited for it
     weight_sync_s: float = 0.0    # new weights into every serving engine
+    weight_sync_bytes: int = 0    # bytes each engine received
     checksums: dict[int, str] | None = None
 
 
@@ -444,6 +445,7 @@ class RLStepDriver:
         ranks = train_ranks(self.cells)
         checksums = None
         optimizer_s = sync_s = 0.0
+        sync_bytes = 0
         if n_runs:
             t_opt = time.perf_counter()
             version = self.policy_version + 1
@@ -453,11 +455,9 @@ class RLStepDriver:
             if bad:
                 raise RuntimeError(f"step {st.step}: ranks {bad} reduced over a train_comm that is not the "
                                    f"{len(ranks)} TRAIN ranks {ranks}")
-            state = reps[core_cell(self.cells).leader].state
             t_sync = time.perf_counter()
             optimizer_s = t_sync - t_opt
-            for e in self.router.engines:
-                self.transport.call(e, "load_weights", (state, version))
+            sync_bytes = self.push_weights(st.step, version)
             sync_s = time.perf_counter() - t_sync
             self.fleet.policy_version = version
             if self.fleet.verify_weights:
@@ -471,6 +471,7 @@ class RLStepDriver:
                            train_cells=tuple(c.id for c in self.cells if c.role is Role.TRAIN), runs=len(outs),
                            migrations=sum(o.migrations for o in outs), restarts=sum(o.restarts for o in outs),
                            flips=len(st.flips), optimizer_s=optimizer_s, weight_sync_s=sync_s,
+                           weight_sync_bytes=sync_bytes,
                            checksums=checksums)
         now = time.time()
         self._step_rows = [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
@@ -482,6 +483,19 @@ class RLStepDriver:
                                        replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
                                        policy_version=self.policy_version))
         return rec
+
+    def push_weights(self, step: int, version: int) -> int:
+        """The core leader broadcasts the new weights into every serving engine (one chunked
+        broadcast, in place, not through this rank); returns the bytes each received."""
+        engines = sorted(e for e in self.router.engines if e in self.serving)
+        if not engines:
+            return 0
+        members = (core_cell(self.cells).leader,) + tuple(self.cell(e).leader for e in engines)
+        core = members[0]
+        self.fleet.send(core, messages.PushWeights(step, version, members))
+        got = self.transport.call_many({e: ("recv_weights", (version, members)) for e in engines})
+        self.fleet.collect([core])
+        return int(next(iter(got.values()))["bytes"])
 
     # ---- the fleet's hooks ---------------------------------------------------------------
     def begin(self) -> None:

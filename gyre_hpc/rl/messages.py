@@ -38,6 +38,22 @@ class Finish:
 
 
 @dataclass(frozen=True)
+class PushWeights:
+    """Core leader: broadcast the new weights to ``members[1:]`` (serving engines' ranks)."""
+
+    step: int
+    policy_version: int
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightsReport:
+    rank: int
+    seconds: float
+    bytes: int
+
+
+@dataclass(frozen=True)
 class TrainReport:
     rank: int
     step: int
@@ -52,5 +68,4 @@ class FinishReport:
     rank: int
     seconds: float
     replicas: float                 # total weight of the allreduce: replicas that took part
-    state: dict | None = None       # the core leader's new model weights, for the engines
     checksum: str | None = None

@@ -21,7 +21,6 @@ from mpi4py import MPI
 
 from gyre_hpc.cells import gradsync, protocol, weights
 from gyre_hpc.cells.cell_rank import CellRank
-from gyre_hpc.cells.plan import core_cell
 from gyre_hpc.engines.mpi_engines import serve_engine
 from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.rl import messages
@@ -34,6 +33,19 @@ class RLRankHandler:
     trainer: RLTrainer
     engine: TorchEngine
     engine_comm: MPI.Intracomm
+    weights_channel: weights.WeightsChannel | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights_channel is None:
+            self.weights_channel = weights.WeightsChannel(self.engine_comm)
+
+    def recv_weights(self, payload) -> dict:
+        """Engine side of ``PushWeights``, at the engine's safe point: into the model's own
+        tensors (shared with this rank's trainer), then the engine decodes as ``version``."""
+        version, members = payload
+        stats = self.weights_channel.receive(self.trainer.model_state(), tuple(members))
+        self.engine.adopt_weights(version)
+        return {"bytes": stats.bytes, "seconds": stats.seconds, "version": version}
 
     def handle(self, cell_rank: CellRank, cmd):
         if isinstance(cmd, messages.Serve):
@@ -42,8 +54,11 @@ class RLRankHandler:
                 # engine only learns which version they are.
                 self.engine.load_weights(self.trainer.model_state(), cmd.policy_version)
             cell_rank.reply(protocol.Ack(cell_rank.rank))
-            serve_engine(self.engine, self.engine_comm)
+            serve_engine(self.engine, self.engine_comm, ops={"recv_weights": self.recv_weights})
             return None
+        if isinstance(cmd, messages.PushWeights):
+            stats = self.weights_channel.push(self.trainer.model_state(), cmd.members)
+            return messages.WeightsReport(cell_rank.rank, stats.seconds, stats.bytes)
         if isinstance(cmd, messages.Train):
             return self.train(cell_rank, cmd.micro_batch)
         if isinstance(cmd, messages.Finish):
@@ -62,8 +77,7 @@ class RLRankHandler:
         # weight 1 per replica: the mean times the replica count is the SUM the loss module asks for.
         stats = gradsync.allreduce_mean(self.trainer.grad_tensors(), cell_rank.rank_comms.train, weight=1.0)
         self.trainer.apply_update(stats.total_weight / max(cmd.n_runs, 1))
-        self.engine.load_weights(self.trainer.model_state(), cmd.policy_version)
-        is_core = cell_rank.rank == core_cell(cell_rank.cells).leader
-        state = {k: v.detach().clone() for k, v in self.trainer.model_state().items()} if is_core else None
+        # The engine decodes with these very tensors: it only learns their version.
+        self.engine.adopt_weights(cmd.policy_version)
         checksum = weights.state_checksum(self.trainer.state_dict()) if cmd.checksums else None
-        return messages.FinishReport(cell_rank.rank, time.perf_counter() - t0, stats.total_weight, state, checksum)
+        return messages.FinishReport(cell_rank.rank, time.perf_counter() - t0, stats.total_weight, checksum)
