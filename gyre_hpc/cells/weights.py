@@ -192,6 +192,7 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 
 
 TAG_WEIGHTS_COMM = 103
+ENGINE_CHUNK_BYTES = 1 << 30
 
 
 class WeightsChannel:
@@ -202,10 +203,12 @@ class WeightsChannel:
     so any size goes (chunks stay below the MPI count limit). Members are the core leader
     (root) and the engines' ranks; the communicator is built once per member set
     (``Create_group``, members only) and kept, because the set rarely changes between steps.
-    Both sides hold one channel on the same parent communicator.
+    Both sides hold one channel on the same parent communicator. Chunks are 1 GiB by
+    default, half the count limit: every chunk is a separate Bcast whose tree latency does not
+    overlap the next, so at 32 MB (the flips' size) 100 MB reached ~0.76 of one raw Bcast.
     """
 
-    def __init__(self, parent: MPI.Intracomm, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, parent: MPI.Intracomm, chunk_bytes: int = ENGINE_CHUNK_BYTES):
         self.parent = parent
         self.chunk_bytes = chunk_bytes
         self._comms: dict[tuple[int, ...], MPI.Intracomm] = {}
