@@ -90,7 +90,7 @@ class CellRank:
 
     def flip(self, cmd: protocol.Flip) -> protocol.FlipReport:
         t0 = time.perf_counter()
-        old = self.cells
+        old = with_roles(self.cells, {c: Role(r) for c, r in cmd.before})
         new = with_roles(old, {c: Role(r) for c, r in cmd.changes})
         joining = [c for c in new if c.role is Role.TRAIN and cell_of_rank(old, c.leader).role is not Role.TRAIN]
         self.cells = new

@@ -161,28 +161,19 @@ class Controller:
         return out
 
     def collect(self, ranks: list[int] | None = None) -> dict[int, object]:
-        """One reply from each of ``ranks`` (default: every cell rank), watching the control
-        directory while waiting.
+        """The reply to the latest command sent to each of ``ranks`` (default: every cell
+        rank), watching the control directory while waiting.
 
-        A rank that is alive but never answers (stuck in a collective, a deadlocked workload)
-        would hold the fleet forever without ever failing; past ``reply_timeout_s`` the
-        controller raises, naming the silent ranks and what they owed, and the fleet aborts
-        for a relaunch. Replies from other ranks that arrive meanwhile wait in the inbox.
+        Replies arrive in the order of the commands, so a rank's reply to its latest command
+        is the one that leaves it owing nothing; earlier ones (a replica's micro-batch reports
+        queued before a Flip) stay in the inbox for ``poll_replies``. A rank that is alive
+        but never answers (stuck in a collective, a deadlocked workload) would hold the fleet
+        forever; past ``reply_timeout_s`` the controller raises, naming the silent ranks and
+        what they owed, and the fleet aborts for a relaunch.
         """
         want = list(self.cell_ranks if ranks is None else ranks)
-        replies: dict[int, object] = {}
         pause = 0.0002
-        while len(replies) < len(want):
-            kept = deque()
-            while self._inbox:
-                rank, msg = self._inbox.popleft()
-                if rank in want and rank not in replies:
-                    replies[rank] = msg
-                else:
-                    kept.append((rank, msg))
-            self._inbox = kept
-            if len(replies) == len(want):
-                break
+        while any(self._owed.get(r) for r in want):
             if self._receive():
                 pause = 0.0002
                 continue
@@ -190,6 +181,17 @@ class Controller:
             self.exit_requested(now=False)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+        replies: dict[int, object] = {}
+        kept: deque = deque()
+        for rank, msg in reversed(self._inbox):
+            if rank in want and rank not in replies:
+                replies[rank] = msg
+            else:
+                kept.appendleft((rank, msg))
+        self._inbox = kept
+        missing = [r for r in want if r not in replies]
+        if missing:
+            raise RuntimeError(f"collect: cell ranks {missing} owed no reply (nothing was sent to them)")
         return replies
 
     def exit_requested(self, now: bool = True) -> bool:
@@ -209,16 +211,29 @@ class Controller:
         """The policy's changes that would change a role (the policy may repeat a current one)."""
         return [ch for ch in self.policy(state) if self.cell(ch.cell).role is not Role(ch.to)]
 
-    def flip(self, step: int, round_: int, changes: list[RoleChange]) -> list[FlipRecord]:
-        """Every cell rank meets here: re-derived train_comm, weights from the core cell."""
+    def flip(self, step: int, round_: int, changes: list[RoleChange],
+             bystanders: frozenset[int] = frozenset()) -> list[FlipRecord]:
+        """Re-derived train_comm, weights from the core cell to the joiners.
+
+        Every rank of a TRAIN cell (before or after) and of a flipping cell takes part;
+        ``bystanders`` (ranks of ROLLOUT cells that stay ROLLOUT) may be left out: the
+        communicators are built by their members only, so those engines keep decoding.
+        """
         new = with_roles(self.cells, {ch.cell: Role(ch.to) for ch in changes})  # refuses forbidden flips
+        flipping = {ch.cell for ch in changes}
+        needed = {r for c in self.cells + new if c.role is Role.TRAIN or c.id in flipping for r in c.ranks}
+        if needed & set(bystanders):
+            raise ValueError(f"flip of cells {sorted(flipping)}: ranks {sorted(needed & set(bystanders))} must take "
+                             f"part (TRAIN or flipping), they cannot be bystanders")
+        targets = [r for r in self.cell_ranks if r not in bystanders]
         start = time.time()
         self.metrics.append([TimelineRow(time=start, cell=ch.cell, role=Role(ch.to).value, event="flip_start",
                                          step=step, detail=ch.reason[:160]) for ch in changes])
         cmd = protocol.Flip(step=step, changes=tuple((ch.cell, Role(ch.to).value) for ch in changes),
-                            checksums=self.verify_weights)
-        self.broadcast(cmd)
-        replies = self.collect()
+                            checksums=self.verify_weights,
+                            before=tuple((c.id, c.role.value) for c in self.cells))
+        self.broadcast(cmd, targets)
+        replies = self.collect(targets)
         end = time.time()
         self.cells = new
         self._check_train_comm(replies)

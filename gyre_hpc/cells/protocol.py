@@ -24,6 +24,9 @@ class Flip:
     step: int
     changes: tuple[tuple[int, str], ...]   # (cell, Role value)
     checksums: bool = False                # joiners/leavers report a state checksum (tests)
+    # Every cell's role before the flip. Engines that take no part in a flip keep decoding
+    # and miss it; whichever Flip reaches them next brings their role table up to date.
+    before: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

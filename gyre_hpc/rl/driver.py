@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,11 +51,12 @@ from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.rl import messages
 from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
 from gyre_hpc.rl.latency import LatencyAgentRun
+from gyre_hpc.rl.policy_inputs import DemandClock, run_of_request, tail_runs
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
 from gyre_hpc.rl.runs import RunSpec, sample_runs
 from gyre_hpc.rl.tasks import load_tasks
 from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
-from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow
+from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import staleness_bound
 from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 from gyre_hpc.trees.builder import build_tree
@@ -126,6 +128,8 @@ class StepState:
     groups_changed: bool = False
     start_version: int = 0      # the trainer's newest version when the step's rollouts began
     flips: list[FlipRecord] = field(default_factory=list)
+    migrations: list[tuple[int, int, int, float]] = field(default_factory=list)  # (cell, requests, bytes, s)
+    run_started: dict[str, float] = field(default_factory=dict)   # run id -> monotonic start
 
     @property
     def runs_done(self) -> bool:
@@ -159,8 +163,9 @@ class RLStepRecord:
 
 
 class RLStepDriver:
-    def __init__(self, fleet: Controller, engine_comm, store: TreeStore, trained_upto: int):
+    def __init__(self, fleet: Controller, engine_comm, store: TreeStore, trained_upto: int, max_batch: int = 64):
         self.fleet = fleet
+        self.max_batch = max_batch
         self.cfg, self.run, self.metrics, self.store = fleet.cfg, fleet.run, fleet.metrics, store
         self.trained_upto = trained_upto
         self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in fleet.cells},
@@ -180,6 +185,7 @@ class RLStepDriver:
         self._last_pump = time.monotonic()
         self._step_rows: list = []      # the last completed step's metrics rows, written after its checkpoint
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.demand = DemandClock(self.engine_capacity_requests())
 
     @property
     def policy_version(self) -> int:
@@ -206,9 +212,11 @@ class RLStepDriver:
             self.transport.resume(c.id)
             self.serving.add(c.id)
 
-    def pause_engines(self) -> None:
-        self.engine_counters.update(self.transport.pause(sorted(self.serving)))
-        self.serving.clear()
+    def pause_engines(self, engines: list[int] | None = None) -> None:
+        """Stop these engines' serve loops (default: all serving) so their ranks take fleet commands."""
+        engines = sorted(self.serving if engines is None else engines)
+        self.engine_counters.update(self.transport.pause(engines))
+        self.serving -= set(engines)
 
     # ---- the run of one step -------------------------------------------------------------
     def sample_runs(self, step: int) -> list[RunSpec]:
@@ -221,6 +229,7 @@ class RLStepDriver:
         return {rid: self.store.read(i) for i, rid in enumerate(ids) if i >= self.trained_upto and rid.startswith(prefix)}
 
     async def _agent(self, spec: RunSpec, st: StepState) -> None:
+        st.run_started[spec.run_id] = time.monotonic()
         client: CountingRunClient = self.driver.client(spec.run_id, spec.seed)
         args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.jsonl",
                 self.harness_cfg)
@@ -292,26 +301,47 @@ class RLStepDriver:
                 time.sleep(0.0005)
 
     # ---- policy --------------------------------------------------------------------------
+    def engine_capacity_requests(self) -> int:
+        """Requests one engine holds at the target occupancy: the policy's own target when it
+        has one (elastic), else the engine's continuous-batching width."""
+        params = getattr(self.fleet.policy, "params", None)
+        return int(getattr(params, "target_requests_per_engine", 0) or self.max_batch)
+
     def cluster_state(self, st: StepState) -> ClusterState:
         self._sample_cells(st)
         inflight = self.router.inflight()
-        not_prefilled = sum(1 for rid in inflight if rid not in self.driver.started)
-        queued = len(self.driver.queue) + not_prefilled
+        queued = len(self.driver.queue)
+        tail = tail_runs(st.run_started, st.outcomes)
+        serving = [c for c in self.cells if c.role is Role.ROLLOUT and c.id in self.router.engines]
+        # Cells that never trained (or never served) plan with what the others measured:
+        # the cells are alike, so the first micro-batch (engine window) is the prior.
+        measured_train = [r for r in self.speeds.rates.values() if r > 0]
+        measured_engine = [r for r in self._engine_rate.values() if r > 0]
+        train_prior = statistics.median(measured_train) if measured_train else 0.0
+        engine_prior = statistics.median(measured_engine) if measured_engine else 0.0
+
+        def tail_on(cid: int) -> int:
+            return sum(1 for rid in self.router.inflight(cid) if run_of_request(rid) in tail)
+
         cells = tuple(CellState(
             cell=c.id, kind=c.kind, role=c.role,
             inflight_requests=len(self.router.inflight(c.id)) if c.role is Role.ROLLOUT else 0,
             inflight_tokens=self.router.outstanding_tokens(c.id) if c.role is Role.ROLLOUT else 0,
-            rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0),
-            train_tokens_per_s=sum(self.speeds.rates.get(r, 0.0) for r in c.ranks)) for c in self.cells)
+            rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0) or engine_prior,
+            train_tokens_per_s=sum(self.speeds.rates.get(r, 0.0) for r in c.ranks) or train_prior * len(c.ranks),
+            tail_requests=tail_on(c.id) if c.role is Role.ROLLOUT else 0) for c in self.cells)
         extra = {}
         for role, key in ((Role.TRAIN, "rollout_to_train_s"), (Role.ROLLOUT, "train_to_rollout_s")):
             if self.switch_s[role] is not None:
                 extra[key] = self.switch_s[role]
         return ClusterState(time=time.time(), step=st.step, cells=cells, unfinished_runs=st.unfinished,
-                            queued_requests=queued, inflight_requests=len(inflight) - not_prefilled,
+                            queued_requests=queued, inflight_requests=len(inflight),
                             tokens_inflight=sum(self.router.outstanding_tokens(e) for e in self.router.engines),
                             train_backlog_tokens=st.backlog_tokens(), policy_version=self.policy_version,
-                            oldest_rollout_version=self.policy_version, **extra)
+                            oldest_rollout_version=self.policy_version,
+                            demand_over_capacity_s=self.demand.update(time.monotonic(), queued, len(inflight),
+                                                                      len(serving)),
+                            tail_runs=len(tail), **extra)
 
     def _sample_cells(self, st: StepState) -> None:
         """About once a second, one ``engines`` row per cell: an engine's decode tokens/s and
@@ -353,15 +383,34 @@ class RLStepDriver:
         return self.apply(st, changes) if changes else []
 
     def apply(self, st: StepState, changes: list[RoleChange]) -> list[FlipRecord]:
+        """Flip ``changes`` while everything else keeps working.
+
+        A released engine (ROLLOUT -> TRAIN) stops admitting, its in-flight sequences move
+        with their KV cache to the engines that stay (which keep decoding throughout: they
+        take no part in the flip), its serve loop pauses, and it joins the running step's
+        train_comm; the replicas finish the micro-batch in hand first (the Flip queues behind
+        it) and then take micro-batches alongside it. A reclaimed replica (TRAIN -> ROLLOUT)
+        hands in what it holds first: its gradients leave with it and the others redo them.
+        """
         t0 = time.perf_counter()
-        self._poll_train(st, block=True)          # replicas finish what they hold first
-        for ch in changes:
-            if Role(ch.to) is Role.TRAIN and ch.cell in self.router.engines:
-                mig = self.router.drain(ch.cell)
+        releasing = [ch.cell for ch in changes if Role(ch.to) is Role.TRAIN]
+        reclaiming = [ch.cell for ch in changes if Role(ch.to) is Role.ROLLOUT]
+        if reclaiming:
+            self._poll_train(st, block=True)
+        for cid in releasing:
+            if cid in self.router.engines:
+                mig = self.router.drain(cid)
                 self.result.migrations += len(mig.moved)
-        self.pause_engines()
+                st.migrations.append((cid, len(mig.moved), mig.bytes, mig.seconds))
+                self.metrics.append([TimelineRow(
+                    time=time.time(), cell=cid, role=Role.ROLLOUT.value, event="migrate", step=st.step,
+                    duration_s=mig.seconds, bytes=mig.bytes,
+                    detail=f"{len(mig.moved)} in-flight requests moved with their KV cache to engines "
+                           f"{sorted(set(mig.moved.values()))}; {len(mig.gone)} finished first")])
+        self.pause_engines([cid for cid in releasing if cid in self.serving])
         before = {c.id: c.role for c in self.cells}
-        records = self.fleet.flip(st.step, len(st.flips), changes)
+        bystanders = frozenset(r for cid in self.serving for r in self.cell(cid).ranks)
+        records = self.fleet.flip(st.step, len(st.flips), changes, bystanders=bystanders)
         for c in self.cells:
             if before[c.id] is Role.TRAIN and c.role is not Role.TRAIN:
                 for r in c.ranks:   # its gradients were dropped in the flip: the others redo its share
@@ -402,12 +451,12 @@ class RLStepDriver:
             events = self._pump()
             self._poll_train(st)
             now = time.monotonic()
-            # New calls are routed only after the policy has seen them queued: a burst (a
-            # batch starting) may bring engines back first, and the burst then spreads over them.
-            if now >= next_consult or self.driver.queue:
+            # The policy is asked AFTER dispatch: a call routed in this pass is in flight, not
+            # queued demand (asking before made every new call look like a reason to reclaim).
+            events += self.driver.dispatch()
+            if now >= next_consult:
                 self.consult(st)
                 next_consult = now + interval
-            events += self.driver.dispatch()
             self._deal(st)
             if self.fleet.exit_requested():
                 exit_at_step = True

@@ -54,7 +54,8 @@ def _rank_workload(cfg: RunConfig, rank: int) -> RLTrainer:
     return RLTrainer(cfg)
 
 
-def _step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -> RLStepDriver:
+def _step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack,
+                 max_batch: int = 64) -> RLStepDriver:
     store = stack.enter_context(TreeStore.open(fs.run.trees, "a"))
     latest, meta = fs.latest, fs.meta
     ctl.metrics.append(restore_step_rows(latest, fs.run.metrics) if latest is not None else [])
@@ -65,7 +66,7 @@ def _step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -
             f"{len(store)}: the store is older than the checkpoint")
     if latest is not None:
         ctl.metrics.event("rl_resume", step=fs.start_step, detail=f"from {latest.name}, {len(store)} trees stored")
-    return RLStepDriver(ctl, fs.engine_comm, store, trained_upto)
+    return RLStepDriver(ctl, fs.engine_comm, store, trained_upto, max_batch=max_batch)
 
 
 def rl_workload(max_batch: int = 64) -> FleetWorkload:
@@ -76,7 +77,10 @@ def rl_workload(max_batch: int = 64) -> FleetWorkload:
                              max_batch=max_batch, seed=fs.cfg.seed * 1009 + me.id)
         return RLRankHandler(trainer, engine, fs.engine_comm)
 
-    return FleetWorkload(name="rl", rank_workload=_rank_workload, step_driver=_step_driver,
+    def step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -> RLStepDriver:
+        return _step_driver(ctl, fs, stack, max_batch)
+
+    return FleetWorkload(name="rl", rank_workload=_rank_workload, step_driver=step_driver,
                          rank_handler=rank_handler, check=check_rl_config)
 
 

@@ -43,6 +43,9 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     assert int(runs["migrations"].sum()) == result["migrations"]      # ...each run saw its own moves
     assert int(runs["restarts"].sum()) == 0                          # ...and none started over
     assert result["recomputed_prefill_tokens"] == 0                  # no moved sequence was re-prefilled
+    timeline = read_table(run.metrics, "timeline")
+    moves = [d for e, d in zip(timeline["event"], timeline["detail"]) if e == "migrate"]
+    assert sum(int(d.split()[0]) for d in moves) == result["migrations"]   # each drain is on the timeline
     # The joiner got weights AND optimizer moments: the flip moved the trainer's whole state
     # and every replica holds bit-identical state after each step's update.
     joined = [f for f in result["flips"] if f["to"] == "TRAIN"]

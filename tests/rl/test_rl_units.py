@@ -175,7 +175,7 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
 
 
 def test_requests_wait_for_dispatch_then_spread_over_engines():
-    """The controller consults the policy between a burst of calls and their routing."""
+    """Calls wait in the queue until dispatch, which spreads a burst over the engines open then."""
     engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
     router = Router(InProcessEngines(engines), [0])
     driver = RouterDriver(router)
@@ -270,3 +270,25 @@ def test_tool_latency_is_seeded_lognormal_and_only_between_calls(tmp_path):
     # two waits (after calls 1 and 2), none after the last call
     assert run.added_s == pytest.approx(latency_s(5, 1, 0.05, 0.6) + latency_s(5, 2, 0.05, 0.6))
     assert time.monotonic() - t0 >= run.added_s
+
+
+def test_demand_clock_counts_only_sustained_demand_over_capacity():
+    from gyre_hpc.rl.policy_inputs import DemandClock
+
+    clock = DemandClock(per_engine=4)
+    assert clock.update(10.0, queued=0, inflight=8, engines=2) == 0.0       # fits exactly
+    assert clock.update(11.0, queued=1, inflight=8, engines=2) == 0.0       # starts now
+    assert clock.update(13.5, queued=0, inflight=9, engines=2) == 2.5       # still over
+    assert clock.update(14.0, queued=0, inflight=5, engines=2) == 0.0       # fits: reset
+    assert clock.update(15.0, queued=0, inflight=9, engines=2) == 0.0
+    assert clock.update(15.0, queued=1, inflight=0, engines=0) == 0.0 and clock.update(16.0, 1, 0, 0) == 1.0
+
+
+def test_tail_runs_are_the_longest_open_quarter():
+    from gyre_hpc.rl.policy_inputs import run_of_request, tail_runs
+
+    started = {f"s00001-t0-g{i}": float(i) for i in range(8)}
+    assert tail_runs(started, {"s00001-t0-g0": None}) == {"s00001-t0-g1", "s00001-t0-g2"}
+    assert tail_runs(started, set(started)) == set()
+    assert tail_runs({"a": 1.0}, set()) == {"a"}
+    assert run_of_request("s00001-t0-g3-17") == "s00001-t0-g3"
