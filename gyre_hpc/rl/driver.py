@@ -374,6 +374,11 @@ class RLStepDriver:
         self.metrics.append(rows)
 
     def consult(self, st: StepState) -> list[FlipRecord]:
+        if st.backlog_tokens() and not any(r > 0 for r in self.speeds.rates.values()):
+            # Trainable work waits but no replica has reported a micro-batch yet: a plan now
+            # would rest on a made-up training rate. The first report comes within one
+            # micro-batch, and from then on every cell plans with the measured rate.
+            return []
         changes = self.fleet.decide(self.cluster_state(st))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.cells if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
@@ -402,6 +407,8 @@ class RLStepDriver:
                 mig = self.router.drain(cid)
                 self.result.migrations += len(mig.moved)
                 st.migrations.append((cid, len(mig.moved), mig.bytes, mig.seconds))
+                if not (mig.moved or mig.gone):
+                    continue        # the engine held nothing: no migration to log
                 self.metrics.append([TimelineRow(
                     time=time.time(), cell=cid, role=Role.ROLLOUT.value, event="migrate", step=st.step,
                     duration_s=mig.seconds, bytes=mig.bytes,
