@@ -57,7 +57,7 @@ from gyre_hpc.rl.runs import RunSpec, sample_runs
 from gyre_hpc.rl.tasks import load_tasks
 from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
 from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow, TimelineRow
-from gyre_hpc.sched.staleness import staleness_bound
+from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
 from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 from gyre_hpc.trees.builder import build_tree
 from gyre_hpc.trees.model import Tree
@@ -130,6 +130,10 @@ class StepState:
     flips: list[FlipRecord] = field(default_factory=list)
     migrations: list[tuple[int, int, int, float]] = field(default_factory=list)  # (cell, requests, bytes, s)
     run_started: dict[str, float] = field(default_factory=dict)   # run id -> monotonic start
+    # False while the step's runs roll out ahead of it (async: during the previous step's
+    # training); its finished groups wait in ``held`` so the store stays in step order.
+    active: bool = True
+    held: list[list[RunOutcome]] = field(default_factory=list)
 
     @property
     def runs_done(self) -> bool:
@@ -186,6 +190,7 @@ class RLStepDriver:
         self._step_rows: list = []      # the last completed step's metrics rows, written after its checkpoint
         self._loop: asyncio.AbstractEventLoop | None = None
         self.demand = DemandClock(self.engine_capacity_requests())
+        self._next: tuple[StepState, list[asyncio.Task]] | None = None   # the next step, rolling out ahead
 
     @property
     def policy_version(self) -> int:
@@ -255,6 +260,13 @@ class RLStepDriver:
             return
         st.groups_done.add(group)
         outs = [st.outcomes[s.run_id] for s in members]
+        if not st.active:
+            st.held.append(outs)    # rolled out ahead (async): committed once its step is the current one
+            return
+        self._commit_group(st, outs)
+
+    def _commit_group(self, st: StepState, outs: list[RunOutcome]) -> None:
+        """Admit, append to the store (one commit), cut into micro-batches for the replicas."""
         if all(o.from_store for o in outs):
             trees = [o.tree for o in outs]
         else:
@@ -435,9 +447,8 @@ class RLStepDriver:
         return records
 
     # ---- the step ------------------------------------------------------------------------
-    async def run_step_async(self, step: int) -> RLStepRecord | None:
-        t0 = time.perf_counter()
-        st = StepState(step, self.sample_runs(step), start_version=self.policy_version)
+    def _start_runs(self, step: int, active: bool) -> tuple[StepState, list[asyncio.Task]]:
+        st = StepState(step, self.sample_runs(step), start_version=self.policy_version, active=active)
         stored = self.stored_trees(step)
         tasks = []
         for spec in st.specs:
@@ -445,6 +456,25 @@ class RLStepDriver:
                 self._run_done(st, RunOutcome(spec, stored[spec.run_id], from_store=True))
             else:
                 tasks.append(asyncio.create_task(self._agent(spec, st)))
+        return st, tasks
+
+    def _may_roll_ahead(self, st: StepState) -> bool:
+        """Async: once this step's runs are all done, the next step's may start while this one
+        trains, if its data will be at most ``max_staleness`` versions old when trained."""
+        gate = staleness_bound(self.fleet.policy)
+        return (gate > 0 and self._next is None and st.runs_done and st.step < self.cfg.train.steps
+                and may_start_rollout(st.step, self.policy_version, gate))
+
+    async def run_step_async(self, step: int) -> RLStepRecord | None:
+        t0 = time.perf_counter()
+        if self._next is not None and self._next[0].step == step:
+            (st, tasks), self._next = self._next, None
+            st.active = True
+            for outs in st.held:
+                self._commit_group(st, outs)
+            st.held = []
+        else:
+            st, tasks = self._start_runs(step, active=True)
         interval = self.cfg.scheduler.interval_s
         next_consult = 0.0
         exit_at_step = False
@@ -452,9 +482,11 @@ class RLStepDriver:
             if st.groups_changed:
                 st.groups_changed = False
                 next_consult = 0.0     # a group became trainable: the backlog changed
-            for t in tasks:
-                if t.done() and t.exception() is not None:
+            for t in tasks + (self._next[1] if self._next else []):
+                if t.done() and not t.cancelled() and t.exception() is not None:
                     raise t.exception()
+            if self._may_roll_ahead(st):
+                self._next = self._start_runs(step + 1, active=False)
             events = self._pump()
             self._poll_train(st)
             now = time.monotonic()
@@ -470,9 +502,11 @@ class RLStepDriver:
                 break
             await asyncio.sleep(0 if events else 0.002)
         if exit_at_step:
-            for t in tasks:
+            ahead = self._next[1] if self._next else []
+            self._next = None
+            for t in tasks + ahead:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *ahead, return_exceptions=True)
             self._poll_train(st, block=True)
             return None
         await asyncio.gather(*tasks)
@@ -490,13 +524,13 @@ class RLStepDriver:
     def _finish(self, st: StepState, t0: float) -> RLStepRecord:
         outs = [st.outcomes[s.run_id] for s in st.specs]
         # Staleness: every sampled token must come from weights at most max_staleness
-        # versions behind the ones this update starts from (0 here: steps are sequential and
-        # engines get new weights before the next batch; checked, not assumed).
+        # versions behind the ones this update starts from (0 for on-policy schedules; 1 for
+        # async, whose runs rolled out while the previous step trained; checked, not assumed).
         gate = staleness_bound(self.fleet.policy)
-        stale = [o.spec.run_id for o in outs if o.tree.n_paths and st.start_version - o.tree.policy_version > gate]
+        stale = [o.spec.run_id for o in outs if o.tree.n_paths and self.policy_version - o.tree.policy_version > gate]
         if stale:
             raise RuntimeError(f"step {st.step}: runs {stale[:5]} were sampled more than "
-                               f"scheduler.max_staleness={gate} versions behind version {st.start_version}")
+                               f"scheduler.max_staleness={gate} versions behind version {self.policy_version}")
         n_runs = runs_in_step([int(o.tree.trained.sum()) for o in outs])
         ranks = train_ranks(self.cells)
         checksums = None
@@ -587,6 +621,11 @@ class RLStepDriver:
         self._step_rows = []
 
     def before_stop(self) -> None:
+        if self._next is not None:      # runs rolled out ahead of a step that will not run now
+            ahead, self._next = self._next[1], None
+            for t in ahead:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*ahead, return_exceptions=True))
         self.pause_engines()
         # Prompt tokens prefilled more than once across engines: 0 unless a migrated
         # sequence was recomputed instead of continued from its KV cache.

@@ -177,3 +177,19 @@ def test_a_silent_replica_fails_the_rl_fleet_within_the_reply_timeout_naming_ran
     assert proc.returncode not in (0, 75)
     assert "cell ranks [1] did not answer Train (step 1) within 20 s" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 200      # the stalled rank would have slept 300 s
+
+
+def test_async_rolls_out_the_next_step_while_this_one_trains_within_staleness_1(tmp_path):
+    cfg = rl_config(tmp_path, "scheduler.policy=async", train={"steps": 3})
+    proc, result = run_fleet(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = RunDir.at(cfg.run_dir)
+    runs = read_table(run.metrics, "runs")
+    steps = read_table(run.metrics, "steps")
+    # Runs of steps 2 and 3 were sampled with the weights one version behind their update,
+    # which happens only if they rolled out before the previous step's update reached the
+    # engines, i.e. while it trained (staleness 1, never more).
+    version = {int(s): int(v) for s, v in zip(steps["step"], steps["policy_version"])}
+    lag = [version[int(s)] - 1 - int(v) for s, v in zip(runs["step"], runs["policy_version"])]
+    assert max(lag) == 1 and min(lag) >= 0
+    assert sorted(set(int(s) for s, d in zip(runs["step"], lag) if d == 1)) == [2, 3]
