@@ -6,7 +6,6 @@ Exit codes: 0 all ``train.steps`` done; 75 checkpointed and stopped on
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from gyre_hpc.cells.rank_env import prepare_rank_env
@@ -14,14 +13,11 @@ from gyre_hpc.cells.rank_env import prepare_rank_env
 # Before mpi4py and torch are imported: both read these once, at start (see rank_env).
 prepare_rank_env()
 
-from gyre_hpc.cells.fleet import exit_rank, main_guarded  # noqa: E402
+from gyre_hpc.cells.fleet import main_guarded, rank_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre_hpc.cells", description=__doc__)
-    parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    args = parser.parse_args(argv)
-    return exit_rank(main_guarded(args.run_dir))
+    return rank_main("python -m gyre_hpc.cells", __doc__, main_guarded, argv)
 
 
 if __name__ == "__main__":

@@ -230,3 +230,14 @@ def exit_rank(code: int, world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     if code != 0:
         time.sleep(CONTROLLER_EXIT_GRACE_S)
     return code
+
+
+def rank_main(prog: str, description: str, entry: Callable[[str], int], argv: list[str] | None = None) -> int:
+    """The command line of a fleet module (``python -m gyre_hpc.cells`` / ``gyre_hpc.rl``):
+    ``--run-dir``, then ``entry`` (a guarded run) and the clean exit of ``exit_rank``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    args = parser.parse_args(argv)
+    return exit_rank(entry(args.run_dir))
