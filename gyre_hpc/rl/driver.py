@@ -49,13 +49,13 @@ from gyre_hpc.engines.mpi_engines import MPIEngines
 from gyre_hpc.engines.router import Router
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.rl import messages
-from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
+from gyre_hpc.rl.batches import MicroBatchRef, ReplicaSpeeds, admit_group, group_micro_batches, group_refs, pick_replica
 from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.policy_inputs import DemandClock, run_of_request, tail_runs
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
 from gyre_hpc.rl.runs import RunSpec, sample_runs
 from gyre_hpc.rl.tasks import load_tasks
-from gyre_hpc.rl.trainer import MicroBatch, runs_in_step
+from gyre_hpc.rl.trainer import runs_in_step
 from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
 from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
@@ -111,6 +111,7 @@ class RunOutcome:
     calls: int = 0
     model_s: float = 0.0
     from_store: bool = False
+    store_index: int = -1
 
 
 @dataclass
@@ -118,9 +119,9 @@ class StepState:
     step: int
     specs: list[RunSpec]
     outcomes: dict[str, RunOutcome] = field(default_factory=dict)
-    pending: list[MicroBatch] = field(default_factory=list)
-    outstanding: dict[int, list[MicroBatch]] = field(default_factory=dict)   # rank -> sent, unreported
-    done_by: dict[int, list[MicroBatch]] = field(default_factory=dict)       # rank -> trained this step
+    pending: list[MicroBatchRef] = field(default_factory=list)
+    outstanding: dict[int, list[MicroBatchRef]] = field(default_factory=dict)   # rank -> sent, unreported
+    done_by: dict[int, list[MicroBatchRef]] = field(default_factory=dict)       # rank -> trained this step
     losses: dict[int, float] = field(default_factory=dict)                   # mb id -> loss
     trained_tokens: int = 0
     next_mb: int = 0
@@ -227,11 +228,13 @@ class RLStepDriver:
     def sample_runs(self, step: int) -> list[RunSpec]:
         return sample_runs(self.tasks, self.cfg, step)
 
-    def stored_trees(self, step: int) -> dict[str, Tree]:
-        """Trees of ``step`` committed after the last checkpoint (a kill came before training them)."""
+    def stored_trees(self, step: int) -> dict[str, tuple[int, Tree]]:
+        """Trees of ``step`` committed after the last checkpoint (a kill came before training
+        them), with their store indices."""
         prefix = f"s{step:05d}-"
         ids = self.store.run_ids()
-        return {rid: self.store.read(i) for i, rid in enumerate(ids) if i >= self.trained_upto and rid.startswith(prefix)}
+        return {rid: (i, self.store.read(i)) for i, rid in enumerate(ids)
+                if i >= self.trained_upto and rid.startswith(prefix)}
 
     async def _agent(self, spec: RunSpec, st: StepState) -> None:
         st.run_started[spec.run_id] = time.monotonic()
@@ -269,15 +272,18 @@ class RLStepDriver:
         """Admit, append to the store (one commit), cut into micro-batches for the replicas."""
         if all(o.from_store for o in outs):
             trees = [o.tree for o in outs]
+            indices = [o.store_index for o in outs]
         else:
             trees = admit_group([o.tree for o in outs], self.cfg.train.max_paths_per_run)
-            self.store.append(trees)
+            indices = list(self.store.append(trees))
             for o, t in zip(outs, trees):
                 o.tree = t
+        # Packed here only for the token counts that dealing needs; replicas read the trees
+        # from the store by these indices and pack them the same way (pure function).
         mbs = group_micro_batches(trees, st.step, st.next_mb, self.cfg.train.row_tokens,
                                   self.cfg.train.micro_batch_tokens)
         st.next_mb += len(mbs)
-        st.pending.extend(mbs)
+        st.pending.extend(group_refs(indices, mbs))
         st.groups_changed = True
 
     # ---- replicas ------------------------------------------------------------------------
@@ -291,7 +297,7 @@ class RLStepDriver:
             mb = st.pending.pop(0)
             rank = pick_replica(free, held, self.speeds, mb.tokens)
             st.outstanding.setdefault(rank, []).append(mb)
-            self.fleet.send(rank, messages.Train(mb))
+            self.fleet.send(rank, messages.Train(mb))    # a MicroBatchRef: indices, not trees
 
     def _poll_train(self, st: StepState, block: bool = False) -> None:
         """Take the replicas' micro-batch reports; ``block``: until none is outstanding."""
@@ -453,7 +459,8 @@ class RLStepDriver:
         tasks = []
         for spec in st.specs:
             if spec.run_id in stored:
-                self._run_done(st, RunOutcome(spec, stored[spec.run_id], from_store=True))
+                index, tree = stored[spec.run_id]
+                self._run_done(st, RunOutcome(spec, tree, from_store=True, store_index=index))
             else:
                 tasks.append(asyncio.create_task(self._agent(spec, st)))
         return st, tasks

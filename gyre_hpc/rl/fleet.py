@@ -22,6 +22,7 @@ from gyre_hpc.cells.fleet import FleetOptions, FleetStart, FleetWorkload, guard_
 from gyre_hpc.cells.plan import cell_of_rank
 from gyre_hpc.config import ConfigError, RunConfig
 from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.rl.batches import StoreMicroBatches
 from gyre_hpc.rl.driver import RLStepDriver, restore_step_rows
 from gyre_hpc.rl.rank import RLRankHandler
 from gyre_hpc.rl.trainer import RLTrainer
@@ -75,7 +76,9 @@ def rl_workload(max_batch: int = 64) -> FleetWorkload:
         me = cell_of_rank(fs.cells, fs.rank)
         engine = TorchEngine(trainer.model, name=f"cell{me.id}", version=fs.meta.policy_version if fs.meta else 0,
                              max_batch=max_batch, seed=fs.cfg.seed * 1009 + me.id)
-        return RLRankHandler(trainer, engine, fs.engine_comm)
+        train = fs.cfg.train
+        return RLRankHandler(trainer, engine, fs.engine_comm,
+                             StoreMicroBatches(fs.run.trees, train.row_tokens, train.micro_batch_tokens))
 
     def step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -> RLStepDriver:
         return _step_driver(ctl, fs, stack, max_batch)

@@ -1,14 +1,15 @@
 """The RL workload's commands and replies, on top of the fleet protocol (``cells.protocol``).
 
 They go out through the controller's ``send``/``broadcast`` and each owes one reply like any
-fleet command; the cell rank's one serve loop hands them to ``rl.rank.RLRankHandler``. Micro-batches are pickled: packed rows of a
-tiny model are kilobytes; weights move with the chunked broadcasts of ``cells.weights``.
+fleet command; the cell rank's one serve loop hands them to ``rl.rank.RLRankHandler``. A micro-batch travels as store indices
+(``MicroBatchRef``): the replica reads the trees from ``trees.zarr``; weights move with the
+chunked broadcasts of ``cells.weights``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyre_hpc.rl.trainer import MicroBatch
+from gyre_hpc.rl.batches import MicroBatchRef
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Serve:
 
 @dataclass(frozen=True)
 class Train:
-    micro_batch: MicroBatch
+    micro_batch: MicroBatchRef      # store indices of the group, not the trees
 
     @property
     def step(self) -> int:

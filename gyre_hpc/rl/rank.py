@@ -24,6 +24,7 @@ from gyre_hpc.cells.cell_rank import CellRank
 from gyre_hpc.engines.mpi_engines import serve_engine
 from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.rl import messages
+from gyre_hpc.rl.batches import StoreMicroBatches
 from gyre_hpc.rl.trainer import RLTrainer
 from gyre_hpc.sched.state import Role
 
@@ -33,6 +34,7 @@ class RLRankHandler:
     trainer: RLTrainer
     engine: TorchEngine
     engine_comm: MPI.Intracomm
+    micro_batches: StoreMicroBatches
     weights_channel: weights.WeightsChannel | None = None
 
     def __post_init__(self) -> None:
@@ -69,7 +71,7 @@ class RLRankHandler:
         if cell_rank.cell.role is not Role.TRAIN:
             raise RuntimeError(f"rank {cell_rank.rank} got micro-batch {mb.mb_id} of step {mb.step} while ROLLOUT")
         t0 = time.perf_counter()
-        res = self.trainer.train_micro_batch(mb)
+        res = self.trainer.train_micro_batch(self.micro_batches.get(mb))
         return messages.TrainReport(cell_rank.rank, mb.step, mb.mb_id, res.loss, mb.tokens, time.perf_counter() - t0)
 
     def finish(self, cell_rank: CellRank, cmd: messages.Finish) -> messages.FinishReport:

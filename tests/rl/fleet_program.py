@@ -58,7 +58,7 @@ def stalling_fleet(run_dir: str, reply_timeout_s: float) -> int:
 
     def handler(fs, cell_rank):
         h = wl.rank_handler(fs, cell_rank)
-        return StallingHandler(h.trainer, h.engine, h.engine_comm)
+        return StallingHandler(h.trainer, h.engine, h.engine_comm, h.micro_batches)
 
     options = fleet_options(RLFleetOptions(reply_timeout_s=reply_timeout_s))
     options = dataclasses.replace(options, workload=dataclasses.replace(wl, rank_handler=handler))

@@ -3,6 +3,9 @@ the router-backed harness client under a drain, run sampling, progress reading."
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ from gyre_hpc.rl.router_client import RouterDriver
 from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer, runs_in_step
 from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow, TimelineRow
 from gyre_hpc.trees.builder import build_tree
+from tests.rl.rl_helpers import REPO
 from gyre_hpc.trees.loss import StepWeights, packed_loss
 from gyre_hpc.trees.packing import collate, pack
 from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_runs
@@ -292,3 +296,49 @@ def test_tail_runs_are_the_longest_open_quarter():
     assert tail_runs(started, set(started)) == set()
     assert tail_runs({"a": 1.0}, set()) == {"a"}
     assert run_of_request("s00001-t0-g3-17") == "s00001-t0-g3"
+
+
+WRITER = """
+import sys
+from gyre_hpc.trees.builder import build_tree
+from gyre_hpc.trees.store import TreeStore
+from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_runs
+cfg = SyntheticConfig()
+with TreeStore.open(sys.argv[1], "a") as store:
+    for seed in (1, 2):   # two commits: one advantage group each
+        store.append([build_tree(r.journal, run_id=f"s{seed}-{r.run_id}", task_id=r.task_id, reward=r.reward)
+                      for r in synthetic_runs(n_tasks=1, runs_per_task=3, cfg=cfg, seed=seed)])
+"""
+
+
+@pytest.mark.slow   # a writer process (imports torch, zarr) and two groups packed twice
+def test_replicas_train_trees_another_process_committed_byte_equal_to_the_store(tmp_path):
+    """The trainer's input comes from trees.zarr by index: what another writer committed."""
+    from gyre_hpc.rl.batches import StoreMicroBatches, group_refs
+    from gyre_hpc.trees.store import TreeStore
+
+    path = tmp_path / "trees.zarr"
+    subprocess.run([sys.executable, "-c", WRITER, str(path)], check=True, timeout=120,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    reader = StoreMicroBatches(path, row_tokens=8192, micro_batch_tokens=16384)
+    with TreeStore.open(path, "r") as store:
+        for group in (range(0, 3), range(3, 6)):
+            trees = [store.read(i) for i in group]
+            expected = group_micro_batches(trees, 1, 10, 8192, 16384)
+            got = [reader.get(ref) for ref in group_refs(list(group), expected)]
+            assert [m.mb_id for m in got] == [m.mb_id for m in expected]
+            for g, e in zip(got, expected):
+                assert len(g.rows) == len(e.rows)
+                for gr, er in zip(g.rows, e.rows):
+                    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "loss_mask",
+                                 "behaviour_logprobs", "run_index"):
+                        assert getattr(gr, name).tobytes() == getattr(er, name).tobytes(), name
+                np.testing.assert_array_equal(g.advantages, e.advantages)
+            # ...and they are the store's bytes: every trained token and its behaviour logprob.
+            want = np.concatenate([t.logprobs[t.trained] for t in trees])
+            seen = np.concatenate([r.behaviour_logprobs[r.loss_mask] for m in got for r in m.rows])
+            assert sorted(want.tobytes()[i:i + 4] for i in range(0, want.nbytes, 4)) == \
+                sorted(seen.astype(want.dtype).tobytes()[i:i + 4] for i in range(0, seen.nbytes, 4))
+    with pytest.raises(RuntimeError, match="past the commit marker"):
+        reader.get(group_refs([6, 7], expected)[0])
+    reader.close()
