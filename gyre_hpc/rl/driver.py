@@ -392,10 +392,11 @@ class RLStepDriver:
         self.metrics.append(rows)
 
     def consult(self, st: StepState) -> list[FlipRecord]:
-        if st.backlog_tokens() and not any(r > 0 for r in self.speeds.rates.values()):
-            # Trainable work waits but no replica has reported a micro-batch yet: a plan now
-            # would rest on a made-up training rate. The first report comes within one
-            # micro-batch, and from then on every cell plans with the measured rate.
+        plans_from_rates = hasattr(getattr(self.fleet.policy, "params", None), "default_train_tokens_per_s")
+        if plans_from_rates and st.backlog_tokens() and not any(r > 0 for r in self.speeds.rates.values()):
+            # Trainable work waits but no replica has reported a micro-batch yet: a policy that
+            # plans from training rates (elastic) would rest on a made-up one. The first report
+            # comes within one micro-batch; from then on every cell plans with the measured rate.
             return []
         changes = self.fleet.decide(self.cluster_state(st))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
@@ -499,8 +500,12 @@ class RLStepDriver:
             now = time.monotonic()
             # The policy is asked AFTER dispatch: a call routed in this pass is in flight, not
             # queued demand (asking before made every new call look like a reason to reclaim).
-            events += self.driver.dispatch()
-            if now >= next_consult:
+            # New calls also trigger a consultation (a batch starting may need engines back),
+            # and with no engine open they stay queued: that is real demand.
+            arrived = bool(self.driver.queue)
+            if self.router.engines:
+                events += self.driver.dispatch()
+            if now >= next_consult or arrived:
                 self.consult(st)
                 next_consult = now + interval
             self._deal(st)

@@ -70,5 +70,5 @@ def test_engine_weight_channel_moves_a_state_dict_over_2_gib_in_place(tmp_path):
     got = json.loads(out.read_text())
     assert got["big_bytes"] > 2 ** 31                  # one tensor alone is past the MPI count limit
     assert got["bytes"] == got["big_bytes"] + 4000 + 8
-    assert got["chunks"] > 64                          # cut into pieces below the limit
+    assert got["chunks"] >= 3                           # cut into 1 GiB pieces, below the limit
     assert got["in_place"] and got["checksum_equal"]
