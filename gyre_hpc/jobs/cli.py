@@ -15,7 +15,7 @@ _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VAL
 
 def _load(config: str, overrides: tuple[str, ...]) -> RunConfig:
     """The config, also checked against the workload's registries: refused before anything starts."""
-    from gyre_hpc.cells.preflight import check_workload_config
+    from gyre_hpc.jobs.preflight import check_workload_config
 
     try:
         cfg = load_config(config, list(overrides))
@@ -35,7 +35,7 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
 
     cfg = _load(config, overrides)
     if cfg.workload == "rl":
-        from gyre_hpc.rl.progress import progress_display
+        from gyre_hpc.jobs.progress import progress_display
         with progress_display(cfg):
             result = run_head(cfg)
     else:
@@ -48,7 +48,7 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
             click.echo(f"  {label:<12} {path}")
     click.echo(f"summary: gyre-hpc inspect {run_dir.root}")
     if cfg.workload == "rl":
-        from gyre_hpc.rl.progress import notebook_hint
+        from gyre_hpc.jobs.progress import notebook_hint
         hint = notebook_hint(run_dir.root)
         if hint:
             click.echo(hint)
