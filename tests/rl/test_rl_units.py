@@ -349,3 +349,55 @@ def test_replicas_train_trees_another_process_committed_byte_equal_to_the_store(
     with pytest.raises(RuntimeError, match="past the commit marker"):
         reader.get(group_refs([6, 7], expected)[0])
     reader.close()
+
+
+def test_replica_packs_store_trees_with_the_controllers_target_and_averaging_settings(tmp_path):
+    """``StoreMicroBatches.of(train)`` cuts a group as the controller did under non-default
+    ``shared_targets``/``averaging``/``group_forest``; with the defaults the packing differs."""
+    from gyre_hpc.rl.batches import StoreMicroBatches, group_refs
+    from gyre_hpc.trees.store import TreeStore
+
+    trees = [t for t in _trees(n_tasks=1, g=3)]
+    path = tmp_path / "trees.zarr"
+    with TreeStore.open(path, "a") as store:
+        indices = list(store.append(trees))
+    with TreeStore.open(path, "r") as store:
+        stored = [store.read(i) for i in indices]
+    train = _cfg(shared_targets="once", averaging="global", group_forest=False).train
+    expected = group_micro_batches(stored, 1, 0, 128, 200, "once", "global", False)
+    default = group_micro_batches(stored, 1, 0, 128, 200)
+    assert sum(m.tokens for m in expected) != sum(m.tokens for m in default)   # the settings matter here
+    reader = StoreMicroBatches.of(path, train)
+    got = [reader.get(ref) for ref in group_refs(indices, expected)]
+    reader.close()
+    assert [m.mb_id for m in got] == [m.mb_id for m in expected]
+    for g, e in zip(got, expected):
+        assert g.averaging == "global" and len(g.rows) == len(e.rows)
+        np.testing.assert_array_equal(g.run_tokens, e.run_tokens)
+        for gr, er in zip(g.rows, e.rows):
+            assert gr.input_ids.tobytes() == er.input_ids.tobytes()
+            assert gr.loss_mask.tobytes() == er.loss_mask.tobytes()
+
+
+def test_rank_handler_reloads_an_engine_with_its_own_weights_and_only_versions_a_shared_one(tmp_path):
+    """After an update, an engine decoding with the trainer's tensors only learns the version;
+    one holding its own copy (as VLLMEngine does) gets the trainer's new tensors loaded."""
+    from mpi4py import MPI
+
+    from gyre_hpc.engines.torch_engine import TorchEngine
+    from gyre_hpc.rl.batches import StoreMicroBatches
+    from gyre_hpc.rl.rank import RLRankHandler
+
+    trainer = RLTrainer(_cfg(), build_model("tiny", seed=3))
+    reader = StoreMicroBatches.of(tmp_path / "trees.zarr", trainer.cfg.train)
+    shared = TorchEngine(trainer.model, name="shared")
+    own = TorchEngine(build_model("tiny", seed=4), name="own")
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    for engine in (shared, own):
+        RLRankHandler(trainer, engine, MPI.COMM_SELF, reader).adopt(7)
+        assert engine.policy_version == 7
+    assert own.model is not trainer.model
+    for key, t in trainer.model_state().items():
+        torch.testing.assert_close(own.model.state_dict()[key], t, rtol=0, atol=0)
