@@ -38,9 +38,14 @@ COLORS = {"ROLLOUT": "tab:blue", "TRAIN": "tab:orange", "SWITCH": "tab:red", "id
 
 NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "timeline.ipynb": [
-        ("md", "# Cell roles over time\nOne Gantt row per cell: blue rolls out, orange trains, red is a switch."),
+        ("md", "# Cell roles over time\nOne Gantt row per cell: blue rolls out (ROLLOUT), orange trains "
+               "(TRAIN), red is switching. Dotted lines are step boundaries; black crosses mark a KV "
+               "migration (a released engine's in-flight requests moving to the engines that stay)."),
         ("code", SETUP),
         ("code", '''\
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
 runs = open_runs(RUNS)
 fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), squeeze=False, sharex=True)
 for ax, (name, run) in zip(axes[:, 0], runs.items()):
@@ -54,10 +59,33 @@ for ax, (name, run) in zip(axes[:, 0], runs.items()):
             ax.broken_barh(spans, (c - 0.4, 0.8), color=color)
     for t in run.steps["time"].values:
         ax.axvline(t - t0, color="k", lw=0.5, ls=":")
+    moves = run.timeline["event"].values == "migrate"
+    ax.plot(run.timeline["time"].values[moves] - t0, run.timeline["cell"].values[moves], "kx", ms=7)
     ax.set_ylabel(f"{name}\\ncell")
+axes[0, 0].legend(handles=[Patch(color=COLORS["ROLLOUT"], label="ROLLOUT"), Patch(color=COLORS["TRAIN"], label="TRAIN"),
+                           Patch(color=COLORS["SWITCH"], label="switching"),
+                           Line2D([], [], color="k", ls=":", lw=0.8, label="step boundary"),
+                           Line2D([], [], color="k", marker="x", ls="", label="KV migration")],
+                  loc="upper right", fontsize=7, ncol=5)
 axes[-1, 0].set_xlabel("time since start (s)")
 fig.tight_layout()
 fig.savefig(FIGURES / "gantt.png", dpi=80)
+'''),
+        ("md", "## Per-cell busy fractions\nShare of each cell's time in each state (from the timeline), and "
+               "the KV migrations each released engine made."),
+        ("code", '''\
+for name, run in runs.items():
+    iv = role_intervals(run)
+    dur = iv["end"].values - iv["start"].values
+    moves = run.timeline["event"].values == "migrate"
+    for c in np.unique(iv["cell"].values):
+        mine = iv["cell"].values == c
+        total = dur[mine].sum()
+        shares = {s: round(float(dur[mine & (iv["state"].values == s)].sum() / total), 3) if total > 0 else float("nan")
+                  for s in ("ROLLOUT", "TRAIN", "SWITCH")}
+        print(name, f"cell {int(c)}", shares, "migrations:", int((run.timeline["cell"].values[moves] == c).sum()))
+'''),
+        ("code", '''\
 print({name: int(run.timeline.sizes["row"]) for name, run in runs.items()})'''),
     ],
     "utilisation.ipynb": [

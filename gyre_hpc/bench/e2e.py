@@ -20,6 +20,7 @@ The module is also the rank program (``python -m gyre_hpc.bench.e2e --ranks RUN_
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -61,13 +62,14 @@ def resolve_launcher(choice: str) -> tuple[str, list[str] | None]:
 
 
 def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
-               launcher: str = "local", nodes: list[str] | None = None) -> dict:
+               launcher: str = "local", nodes: list[str] | None = None, name: str | None = None) -> dict:
     from gyre_hpc.config import build_config
     from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher
     from gyre_hpc.jobs.plan import local_plan, plan_for_nodes
     from gyre_hpc.rundir.layout import RunDir
 
-    cfg = build_config({**workload_config(root / policy, policy, steps, seed), "launcher": launcher})
+    name = name or policy
+    cfg = build_config({**workload_config(root / name, policy, steps, seed), "launcher": launcher})
     run = RunDir.at(cfg.run_dir).make()
     run.config.write_text(cfg.to_yaml())
     out = run.logs / "result.json"
@@ -113,6 +115,31 @@ def summarize(policy: str, got: dict) -> dict:
     }
 
 
+def spread(values: list[float]) -> dict:
+    """Mean, min, max and the relative spread of one policy's repeats."""
+    mean = statistics.fmean(values)
+    return {"steady_step_s": [round(v, 3) for v in values], "mean": round(mean, 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "spread": round((max(values) - min(values)) / mean, 3) if mean else None}
+
+
+def ratio_spread(baseline: list[float], elastic: list[float]) -> dict:
+    """baseline / elastic step time: of the means, and the lowest and highest over repeat pairs."""
+    pairs = [b / e for b, e in zip(baseline, elastic)]
+    return {"of_means": round(statistics.fmean(baseline) / statistics.fmean(elastic), 3),
+            "min": round(min(pairs), 3), "max": round(max(pairs), 3)}
+
+
+def saturation(load_before: float, load_after: float) -> dict:
+    """What bounds the figures on this machine: the CPU when the run queue exceeds the cores."""
+    cores = os.cpu_count() or 1
+    load = max(load_before, load_after)
+    return {"cores": cores, "load_average_1min": [round(load_before, 2), round(load_after, 2)],
+            "saturated": "cpu" if load > cores else None,
+            "note": (f"load {load:.1f} on {cores} cores: every rank (controller, engines, replicas, tool "
+                     f"processes) shares them, so step times measure CPU contention as much as the schedule"
+                     if load > cores else "")}
+
+
 def simulate(runs: dict[str, dict], summaries: dict[str, dict], interval_s: float) -> dict:
     """The simulator on the measured workload, every policy on the same sampled runs."""
     from gyre_hpc.rundir.metrics import read_table
@@ -135,9 +162,8 @@ def simulate(runs: dict[str, dict], summaries: dict[str, dict], interval_s: floa
     overrides.setdefault("train", {}).update(
         optimizer_step_s=statistics.fmean(s["optimizer_s"] for s in summaries.values()),
         weight_sync_s=statistics.fmean(s["weight_sync_s"] for s in summaries.values()))
-    # The runtime runs steps one after another (always on-policy, docs/rl.md): the forecast
-    # is for that schedule, so async's split is simulated without batch overlap as well.
-    overrides.setdefault("fleet", {}).update(async_train_cells=1, async_max_staleness=0)
+    # The runtime's async rolls the next step out while this one trains (staleness 1).
+    overrides.setdefault("fleet", {}).update(async_train_cells=1, async_max_staleness=1)
     overrides["decision_interval_s"] = interval_s
     # Environment time measured directly: a run's wall time minus the time it waited on model
     # calls (queueing and decoding included), per call, over every policy's runs.
@@ -179,9 +205,10 @@ def ranks_main(run_dir: str, out: str) -> int:
 @click.option("--timeout-s", default=900.0, show_default=True, help="per policy")
 @click.option("--launcher", type=click.Choice(["auto", "local", "slurm"]), default="auto", show_default=True,
               help="auto: the local Slurm cluster if it is up, else mpiexec on this machine")
+@click.option("--repeats", default=3, show_default=True, help="runs of each policy (same seed): the spread")
 @click.option("--json", "as_json", is_flag=True)
 def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: float, launcher: str,
-            as_json: bool) -> None:
+            repeats: int, as_json: bool) -> None:
     """Elastic vs colocate vs async on one real RL workload; the simulator's forecast beside it."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
@@ -190,19 +217,34 @@ def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: fl
                                  param_hint="--policies")
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="gyre-e2e-"))
     launcher, nodes = resolve_launcher(launcher)
-    runs = {p: run_policy(root, p, steps, seed, timeout_s, launcher, nodes) for p in names}
-    summaries = {p: summarize(p, r) for p, r in runs.items()}
+    if repeats < 1:
+        raise click.BadParameter("--repeats must be >= 1", param_hint="--repeats")
+    load_before = os.getloadavg()[0]
+    # Interleaved (elastic, colocate, async, elastic, ...) so a neighbour's burst on this
+    # shared machine lands on every policy alike rather than on one.
+    reps: dict[str, list[dict]] = {p: [] for p in names}
+    for k in range(repeats):
+        for p in names:
+            reps[p].append(run_policy(root, p, steps, seed, timeout_s, launcher, nodes, name=f"{p}-{k}"))
+    load_after = os.getloadavg()[0]
+    runs = {p: r[0] for p, r in reps.items()}
+    all_summaries = {p: [summarize(p, r) for r in rs] for p, rs in reps.items()}
+    summaries = {p: s[0] for p, s in all_summaries.items()}
     result = {
         "benchmark": "e2e",
         "launcher": ("slurm (one het step per policy on the local cluster's nodes " + ",".join(nodes) + ")"
                      if launcher == "slurm" else "local (mpiexec on this machine)"),
         "workload": {"tasks": "easy-3turn", "tool_latency_s": 1.5, "cells": 3, "runs_per_step": 16, "steps": steps,
                      "seed": seed},
-        "policies": summaries,
-        "speedup": {f"elastic_over_{b}": round(summaries[b]["steady_step_s"] / summaries["elastic"]["steady_step_s"], 3)
+        "repeats": repeats,
+        "policies": {p: {**summaries[p], "repeats": spread([s["steady_step_s"] for s in all_summaries[p]])}
+                     for p in names},
+        "speedup": {f"elastic_over_{b}": ratio_spread([s["steady_step_s"] for s in all_summaries[b]],
+                                                      [s["steady_step_s"] for s in all_summaries["elastic"]])
                     for b in names if b != "elastic"},
         "simulator": simulate(runs, summaries, interval_s=0.25),
-        "run_dirs": {p: r["run_dir"] for p, r in runs.items()},
+        "resources": saturation(load_before, load_after),
+        "run_dirs": {p: [r["run_dir"] for r in rs] for p, rs in reps.items()},
     }
     emit(result, as_json)
 

@@ -2,7 +2,9 @@
 
 Runs the real fleet (scripted policy: every elastic cell flips every step) with a state
 dict of ``--state-mb`` and reports the median rollout->train and train->rollout switch
-times and the weight-transfer rate of rollout->train flips. Baseline, in the same MPI
+times and the weight-transfer rate of rollout->train flips. Also the engines' weight sync
+(what follows every optimizer step: the core leader to every engine, ``WeightsChannel``)
+against one raw ``Bcast`` of the same bytes over the same ranks. Baseline, in the same MPI
 world just before the fleet starts: one plain ``Send``/``Recv`` of the same number of
 bytes between the core cell's leader and another cell's leader, i.e. what the wire gives
 one message with no chunking, headers or communicator re-derivation.
@@ -49,6 +51,48 @@ def _raw_send_seconds(world, nbytes: int, src: int, dst: int, repeats: int) -> l
     return times
 
 
+def _engine_sync_seconds(world, nbytes: int, src: int, engines: list[int], repeats: int) -> dict[str, list[float]]:
+    """The engines' weight sync (``WeightsChannel``: chunked, into the receivers' own tensors)
+    and, beside it, one raw ``Bcast`` of the same bytes over the same members, each timed
+    from a barrier until the last receiver has the bytes (a zero-byte gather)."""
+    import torch
+    from mpi4py import MPI
+
+    from gyre_hpc.cells.weights import WeightsChannel
+
+    members = (src, *engines)
+    rank = world.Get_rank()
+    inside = rank in members
+    channel = WeightsChannel(world)
+    half = nbytes // 2
+    state = {"a.weight": torch.ones(half // 2, dtype=torch.bfloat16),
+             "b.weight": torch.ones((nbytes - half) // 4, dtype=torch.float32)} if inside else None
+    raw_buf = torch.ones(nbytes, dtype=torch.uint8).numpy() if inside else None
+    group = world.Get_group().Incl(list(members))
+    raw_comm = world.Create_group(group, 104) if inside else None
+    out = {"sync_s": [], "raw_bcast_s": []}
+    # One untimed round first: the channel builds its communicator once (kept for the run),
+    # and first touches of the buffers fault their pages in; neither recurs per step.
+    # The order alternates so neither side always runs second (warm caches, a neighbour's burst).
+    for i in range(repeats + 1):
+        for key in (("raw_bcast_s", "sync_s") if i % 2 else ("sync_s", "raw_bcast_s")):
+            world.Barrier()
+            t0 = time.perf_counter()
+            if inside:
+                if key == "sync_s":
+                    (channel.push(state, members) if rank == src else channel.receive(state, members))
+                else:
+                    raw_comm.Bcast([raw_buf, MPI.BYTE], root=0)
+                raw_comm.gather(None, root=0)
+            if i:
+                out[key].append(time.perf_counter() - t0)
+    channel.close()
+    if raw_comm is not None:
+        raw_comm.Free()
+    group.Free()
+    return out
+
+
 def ranks_main(run_dir: str, out: str, repeats: int = 3) -> int:
     """Every rank: baseline transfer, then the fleet; rank 0 writes the raw figures to ``out``."""
     from mpi4py import MPI
@@ -66,12 +110,15 @@ def ranks_main(run_dir: str, out: str, repeats: int = 3) -> int:
         nbytes = int(cfg.model.substrate_state_mb * (1 << 20))
         raw = _raw_send_seconds(world, nbytes, src, dst, repeats)
         raw = world.bcast(raw, root=src)
+        engines = [c.leader for c in cells if c.leader != src]
+        sync = world.bcast(_engine_sync_seconds(world, nbytes, src, engines, 2 * repeats), root=src)
         result = run_fleet(run_dir, FleetOptions(), world)
     except BaseException:
         return _abort(world)
     if world.Get_rank() == 0:
         Path(out).write_text(json.dumps({
             "raw_send_s": raw, "raw_bytes": nbytes, "exit_code": result.exit_code,
+            "engine_sync_s": sync["sync_s"], "raw_bcast_s": sync["raw_bcast_s"], "engines": len(engines),
             "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
             "world_size": world.Get_size(),
             "flips": [f.__dict__ for f in result.flips],
@@ -129,7 +176,24 @@ def summarize(raw: dict, state_mb: float, launcher: str) -> dict:
             "transfer_MBps_over_baseline_MBps": rate / (mb / raw_s),
             "rollout_to_train_s_over_baseline_s": r2t / raw_s,
         },
-    }
+    } | engine_sync_summary(raw)
+
+
+def engine_sync_summary(raw: dict) -> dict:
+    """Engine weight sync (core leader -> every engine, after each optimizer step) vs a raw
+    Bcast of the same bytes over the same ranks; {} for output of an older rank program."""
+    if not raw.get("engine_sync_s"):
+        return {}
+    mb = raw["raw_bytes"] / (1 << 20)
+    sync_s, bcast_s = statistics.median(raw["engine_sync_s"]), statistics.median(raw["raw_bcast_s"])
+    return {"engine_weight_sync": {
+        "what": "WeightsChannel (chunked bcast into the engines' own tensors) from the core leader to "
+                f"{raw['engines']} engines, vs one raw MPI Bcast of the same bytes over the same ranks",
+        "seconds": {"median": sync_s, "all": raw["engine_sync_s"]},
+        "MBps": mb / sync_s,
+        "raw_bcast": {"seconds": {"median": bcast_s, "all": raw["raw_bcast_s"]}, "MBps": mb / bcast_s},
+        "ratio_MBps_over_raw_bcast": bcast_s / sync_s,
+    }}
 
 
 def _fleet_config(state_mb: float, flips: int, launcher: str) -> dict:

@@ -1,8 +1,11 @@
-"""One cell rank: execute the controller's commands in its current role.
+"""One cell rank: the one serve loop that executes the controller's commands.
 
 A rank holds full weights (the substrate cells are data-parallel inside, too) and the
 communicators of ``comms``. Roles change only at a Flip command, which every rank of the
-world handles at the same point, so the Splits and the weight broadcast line up.
+world handles at the same point, so the Splits and the weight broadcast line up. The fleet
+commands (flip, checkpoint, stop, the substrate's rounds) are handled here; a workload's
+own commands (RL: serve the engine, train a micro-batch, finish the step) go to its
+``RankHandler``, which answers through ``reply`` like everything else.
 """
 from __future__ import annotations
 
@@ -11,11 +14,19 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
+from typing import Protocol
+
 from gyre_hpc.cells import comms, gradsync, protocol, weights
-from gyre_hpc.cells.checkpoint import write_state
 from gyre_hpc.cells.plan import Cell, cell_of_rank, core_cell, with_roles
 from gyre_hpc.cells.workload import Workload
 from gyre_hpc.sched.state import Role
+
+
+class RankHandler(Protocol):
+    def handle(self, rank: "CellRank", cmd) -> object | None:
+        """Answer a workload command; return the reply (None: the handler replied itself, via
+        ``rank.reply``, before doing long work such as serving an engine). Raise TypeError
+        for a command it does not know."""
 
 
 @dataclass
@@ -25,6 +36,7 @@ class CellRank:
     workload: Workload
     rank_comms: comms.RankComms
     chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
+    handler: RankHandler | None = None
     micro_batches_done: int = 0
     tokens_done: int = 0
     _stop: int | None = field(default=None, init=False)
@@ -43,8 +55,12 @@ class CellRank:
             cmd = protocol.wait_command(self.world)
             reply = self.handle(cmd)
             if reply is not None:
-                self.world.send(reply, dest=0, tag=protocol.TAG_REPLY)
+                self.reply(reply)
         return self._stop
+
+    def reply(self, msg) -> None:
+        """The answer to the command in hand (every command but Stop owes exactly one)."""
+        self.world.send(msg, dest=0, tag=protocol.TAG_REPLY)
 
     def handle(self, cmd):
         if isinstance(cmd, protocol.Flip):
@@ -58,11 +74,13 @@ class CellRank:
             return self.end_step(cmd)
         if isinstance(cmd, protocol.SaveCheckpoint):
             if self.rank == core_cell(self.cells).leader:
-                write_state(cmd.directory, self.workload.state_dict())
+                self.workload.save(cmd.directory, cmd.extra)
             return protocol.Ack(self.rank)
         if isinstance(cmd, protocol.Stop):
             self._stop = cmd.code
             return None
+        if self.handler is not None:
+            return self.handler.handle(self, cmd)
         raise TypeError(f"cell rank {self.rank}: unknown command {type(cmd).__name__}")
 
     def _reset_accumulation(self) -> None:
@@ -72,7 +90,7 @@ class CellRank:
 
     def flip(self, cmd: protocol.Flip) -> protocol.FlipReport:
         t0 = time.perf_counter()
-        old = self.cells
+        old = with_roles(self.cells, {c: Role(r) for c, r in cmd.before})
         new = with_roles(old, {c: Role(r) for c, r in cmd.changes})
         joining = [c for c in new if c.role is Role.TRAIN and cell_of_rank(old, c.leader).role is not Role.TRAIN]
         self.cells = new

@@ -1,27 +1,29 @@
-"""Rank 0 of the fleet: drives steps, asks the policy, flips cells, checkpoints, logs.
+"""Rank 0 of the fleet: one protocol for every workload (substrate smoke test, RL).
 
-The controller is the only writer of ``metrics.h5`` while the fleet runs; cells report
-their timings to it in replies. A step is cut into rounds (each TRAIN rank takes one
-micro-batch per round) so the controller regains control often: between rounds it asks the
-policy again (a flip may land mid-step) and looks for ``control/checkpoint-and-exit``.
-A cell that leaves TRAIN mid-step hands back its micro-batches; the replicas that remain
-redo them, so a step's gradient is always the mean over all its micro-batches.
+The controller owns the messaging (every command owes a reply; a rank that stays silent past
+``reply_timeout_s`` fails the fleet, naming the rank and the command it owed), the cells'
+roles (asking the policy, flipping with re-derived communicators and the weight broadcast),
+checkpoints, the stop, and the loop over steps. What a step does is a workload's
+``StepDriver``: the substrate's rounds (``cells.substrate_driver``) or the RL workload's
+rollouts and streaming training (``gyre_hpc.rl.driver``), which registers itself from above.
+The controller is the only writer of ``metrics.h5`` while the fleet runs.
 """
 from __future__ import annotations
 
-import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from mpi4py import MPI
 
 from gyre_hpc.cells import checkpoint, protocol
-from gyre_hpc.cells.plan import Cell, cell_of_rank, core_cell, train_ranks, with_roles
+from gyre_hpc.cells.plan import Cell, core_cell, train_ranks, with_roles
 from gyre_hpc.config import RunConfig
 from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import MetricsWriter, StepRow, TimelineRow
-from gyre_hpc.sched.state import CellState, ClusterState, Policy, Role, RoleChange
+from gyre_hpc.rundir.metrics import MetricsWriter, TimelineRow
+from gyre_hpc.sched.state import ClusterState, Policy, Role, RoleChange
 
 EXIT_DONE = 0
 EXIT_CHECKPOINTED = 75
@@ -44,17 +46,7 @@ class FlipRecord:
     transfer_s: float = 0.0  # of duration_s: weight transfer
     checksum: str | None = None
     source_checksum: str | None = None
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    wall_s: float
-    loss: float
-    train_cells: tuple[int, ...]
-    tokens: int
-    policy_version: int
-    checksums: dict[int, str] | None = None   # world rank -> state checksum after the step
+    reason: str = ""
 
 
 @dataclass
@@ -63,8 +55,38 @@ class FleetResult:
     first_step: int
     last_completed: int
     flips: list[FlipRecord] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list = field(default_factory=list)      # the driver's step records
     train_comm_checks: int = 0
+    migrations: int = 0                 # in-flight requests moved with their KV cache
+    recomputed_prefill_tokens: int = 0  # prompt tokens prefilled twice (0 unless a move recomputed)
+
+
+class StepDriver(Protocol):
+    """What a workload does on the controller rank; the controller does the rest."""
+
+    def begin(self) -> None:
+        """Before the first step of this launch (e.g. open engines for requests)."""
+
+    def run_step(self, step: int):
+        """One step; its record (``wall_s``, ``loss``, ``train_cells``), or None when an exit
+        request interrupted it (nothing of the step is kept)."""
+
+    def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
+        """Called after the core cell wrote its state into ``staging``: extra files written
+        there by the driver and the meta's ``files`` list and ``extra`` dict."""
+
+    def sealed(self, step: int) -> None:
+        """The checkpoint of ``step`` is committed."""
+
+    def step_done(self, step: int, checkpointed: bool) -> None:
+        """After the step (and its checkpoint, if one was due)."""
+
+    def before_stop(self) -> None:
+        """Bring every cell rank back to the command loop (e.g. pause engines)."""
+
+
+def command_label(cmd) -> str:
+    return type(cmd).__name__ + (f" (step {cmd.step})" if hasattr(cmd, "step") else "")
 
 
 @dataclass
@@ -82,51 +104,94 @@ class Controller:
     control_poll_s: float = 0.25
     last_checkpointed: int = -1        # the step the newest checkpoint holds (resume: meta.step)
     reply_timeout_s: float = 600.0     # a cell rank silent this long is declared stuck
+    driver: StepDriver | None = None
     result: FleetResult = field(init=False)
     _exit_requested: bool = field(default=False, init=False)
     _last_control_check: float = field(default=0.0, init=False)
-    _last_consult: float = field(default=float("-inf"), init=False)
-    _unsealed_rows: list[StepRow] = field(default_factory=list, init=False)
-    # Measured per cell: tokens/s as a replica and as an engine (policy inputs).
-    _train_rate: dict[int, float] = field(default_factory=dict, init=False)
-    _rollout_rate: dict[int, float] = field(default_factory=dict, init=False)
-    _tokens_per_micro_batch: int = field(default=0, init=False)   # backlog estimate, from reports
-    _last_command: str = field(default="", init=False)
+    _owed: dict[int, deque] = field(default_factory=dict, init=False)    # rank -> (command, sent at)
+    _inbox: deque = field(default_factory=deque, init=False)             # (rank, reply) not yet taken
 
     def __post_init__(self) -> None:
         self.result = FleetResult(exit_code=-1, first_step=self.start_step, last_completed=self.start_step - 1)
         self.cell_ranks = [r for c in self.cells for r in c.ranks]
 
     # ---- messaging -------------------------------------------------------------------
-    def broadcast(self, cmd) -> None:
-        self._last_command = type(cmd).__name__ + (f" (step {cmd.step})" if hasattr(cmd, "step") else "")
-        for r in self.cell_ranks:
-            self.world.send(cmd, dest=r, tag=protocol.TAG_COMMAND)
+    def send(self, rank: int, cmd, reply: bool = True) -> None:
+        """One command to one cell rank; unless ``reply=False`` (Stop) it owes a reply."""
+        self.world.send(cmd, dest=rank, tag=protocol.TAG_COMMAND)
+        if reply:
+            self._owed.setdefault(rank, deque()).append((command_label(cmd), time.monotonic()))
 
-    def collect(self) -> dict[int, object]:
-        """One reply from every cell rank, watching the control directory while waiting.
+    def broadcast(self, cmd, ranks: list[int] | None = None, reply: bool = True) -> None:
+        for r in self.cell_ranks if ranks is None else ranks:
+            self.send(r, cmd, reply)
 
-        A rank that is alive but never answers (stuck in a collective, a deadlocked workload)
-        would hold the fleet forever without ever failing; past ``reply_timeout_s`` the
-        controller raises, naming the silent ranks, and the fleet aborts for a relaunch.
+    def owed(self, rank: int) -> int:
+        return len(self._owed.get(rank, ()))
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        late = [(r, q[0][0]) for r, q in sorted(self._owed.items()) if q and now - q[0][1] > self.reply_timeout_s]
+        if late:
+            ranks = [r for r, _ in late]
+            owed = "; ".join(f"rank {r}: {label}" for r, label in late)
+            raise TimeoutError(f"cell ranks {ranks} did not answer {late[0][1]} within {self.reply_timeout_s:g} s "
+                               f"(owed replies: {owed})")
+
+    def _receive(self) -> bool:
+        status = MPI.Status()
+        if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
+            return False
+        rank = status.Get_source()
+        msg = self.world.recv(source=rank, tag=protocol.TAG_REPLY)
+        queue = self._owed.get(rank)
+        if not queue:
+            raise RuntimeError(f"cell rank {rank} sent {type(msg).__name__} but owed no reply")
+        queue.popleft()
+        self._inbox.append((rank, msg))
+        return True
+
+    def poll_replies(self) -> list[tuple[int, object]]:
+        """Replies that have arrived, in order; raises when an owed reply is overdue."""
+        while self._receive():
+            pass
+        self._check_deadlines()
+        out = list(self._inbox)
+        self._inbox.clear()
+        return out
+
+    def collect(self, ranks: list[int] | None = None) -> dict[int, object]:
+        """The reply to the latest command sent to each of ``ranks`` (default: every cell
+        rank), watching the control directory while waiting.
+
+        Replies arrive in the order of the commands, so a rank's reply to its latest command
+        is the one that leaves it owing nothing; earlier ones (a replica's micro-batch reports
+        queued before a Flip) stay in the inbox for ``poll_replies``. A rank that is alive
+        but never answers (stuck in a collective, a deadlocked workload) would hold the fleet
+        forever; past ``reply_timeout_s`` the controller raises, naming the silent ranks and
+        what they owed, and the fleet aborts for a relaunch.
         """
-        replies: dict[int, object] = {}
+        want = list(self.cell_ranks if ranks is None else ranks)
         pause = 0.0002
-        deadline = time.monotonic() + self.reply_timeout_s
-        while len(replies) < len(self.cell_ranks):
-            if time.monotonic() > deadline:
-                silent = [r for r in self.cell_ranks if r not in replies]
-                raise TimeoutError(f"cell ranks {silent} did not answer {self._last_command} within "
-                                   f"{self.reply_timeout_s:g} s")
-            status = MPI.Status()
-            if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
-                msg = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)
-                replies[status.Get_source()] = msg
+        while any(self._owed.get(r) for r in want):
+            if self._receive():
                 pause = 0.0002
                 continue
+            self._check_deadlines()
             self.exit_requested(now=False)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+        replies: dict[int, object] = {}
+        kept: deque = deque()
+        for rank, msg in reversed(self._inbox):
+            if rank in want and rank not in replies:
+                replies[rank] = msg
+            else:
+                kept.appendleft((rank, msg))
+        self._inbox = kept
+        missing = [r for r in want if r not in replies]
+        if missing:
+            raise RuntimeError(f"collect: cell ranks {missing} owed no reply (nothing was sent to them)")
         return replies
 
     def exit_requested(self, now: bool = True) -> bool:
@@ -139,68 +204,50 @@ class Controller:
         return self._exit_requested
 
     # ---- policy and flips ------------------------------------------------------------
-    def cluster_state(self, step: int, backlog_tokens: int = 0) -> ClusterState:
-        """What the policy sees: roles, measured rates and switch costs, the step's backlog."""
-        r2t = [f.duration_s for f in self.result.flips if f.to == Role.TRAIN.value]
-        t2r = [f.duration_s for f in self.result.flips if f.to == Role.ROLLOUT.value]
-        defaults = ClusterState(time=0.0, step=0, cells=())
-        return ClusterState(
-            time=time.time(), step=step,
-            cells=tuple(CellState(cell=c.id, kind=c.kind, role=c.role,
-                                  train_tokens_per_s=self._train_rate.get(c.id, 0.0),
-                                  rollout_tokens_per_s=self._rollout_rate.get(c.id, 0.0)) for c in self.cells),
-            train_backlog_tokens=backlog_tokens, policy_version=self.policy_version,
-            rollout_to_train_s=statistics.median(r2t) if r2t else defaults.rollout_to_train_s,
-            train_to_rollout_s=statistics.median(t2r) if t2r else defaults.train_to_rollout_s)
+    def cell(self, cid: int) -> Cell:
+        return next(c for c in self.cells if c.id == cid)
 
-    def consult(self, step: int, round_: int, backlog_tokens: int) -> list[RoleChange]:
-        """Ask the policy (at a step's start always, mid-step every scheduler.interval_s) and flip."""
-        now = time.monotonic()
-        if round_ > 0 and now - self._last_consult < self.cfg.scheduler.interval_s:
-            return []
-        self._last_consult = now
-        changes = [ch for ch in self.policy(self.cluster_state(step, backlog_tokens))
-                   if next(c for c in self.cells if c.id == ch.cell).role is not Role(ch.to)]
-        if changes:
-            self.flip(step, round_, changes)
-        return changes
+    def decide(self, state: ClusterState) -> list[RoleChange]:
+        """The policy's changes that would change a role (the policy may repeat a current one)."""
+        return [ch for ch in self.policy(state) if self.cell(ch.cell).role is not Role(ch.to)]
 
-    def _measure(self, replies: dict[int, protocol.RoundReport]) -> None:
-        by_cell: dict[int, list[protocol.RoundReport]] = {}
-        for rank, rep in replies.items():
-            by_cell.setdefault(cell_of_rank(self.cells, rank).id, []).append(rep)
-        for cid, reps in by_cell.items():
-            seconds = max(r.seconds for r in reps)
-            if seconds <= 0:
-                continue
-            train, rollout = sum(r.tokens for r in reps), sum(r.rollout_tokens for r in reps)
-            if train:
-                self._train_rate[cid] = train / seconds
-            if rollout:
-                self._rollout_rate[cid] = rollout / seconds
+    def flip(self, step: int, round_: int, changes: list[RoleChange],
+             bystanders: frozenset[int] = frozenset()) -> list[FlipRecord]:
+        """Re-derived train_comm, weights from the core cell to the joiners.
 
-    def flip(self, step: int, round_: int, changes: list[RoleChange]) -> list[FlipRecord]:
+        Every rank of a TRAIN cell (before or after) and of a flipping cell takes part;
+        ``bystanders`` (ranks of ROLLOUT cells that stay ROLLOUT) may be left out: the
+        communicators are built by their members only, so those engines keep decoding.
+        """
         new = with_roles(self.cells, {ch.cell: Role(ch.to) for ch in changes})  # refuses forbidden flips
+        flipping = {ch.cell for ch in changes}
+        needed = {r for c in self.cells + new if c.role is Role.TRAIN or c.id in flipping for r in c.ranks}
+        if needed & set(bystanders):
+            raise ValueError(f"flip of cells {sorted(flipping)}: ranks {sorted(needed & set(bystanders))} must take "
+                             f"part (TRAIN or flipping), they cannot be bystanders")
+        targets = [r for r in self.cell_ranks if r not in bystanders]
         start = time.time()
         self.metrics.append([TimelineRow(time=start, cell=ch.cell, role=Role(ch.to).value, event="flip_start",
                                          step=step, detail=ch.reason[:160]) for ch in changes])
         cmd = protocol.Flip(step=step, changes=tuple((ch.cell, Role(ch.to).value) for ch in changes),
-                            checksums=self.verify_weights)
-        self.broadcast(cmd)
-        replies = self.collect()
+                            checksums=self.verify_weights,
+                            before=tuple((c.id, c.role.value) for c in self.cells))
+        self.broadcast(cmd, targets)
+        replies = self.collect(targets)
         end = time.time()
         self.cells = new
         self._check_train_comm(replies)
         source = core_cell(new).leader
         records = []
         for ch in changes:
-            cell = next(c for c in new if c.id == ch.cell)
+            cell = self.cell(ch.cell)
             reps = [replies[r] for r in cell.ranks]
-            rec = FlipRecord(cell=cell.id, to=cell.role.value, step=step, round=round_, start=start, end=end,
-                             duration_s=max(r.seconds for r in reps), bytes=sum(r.bytes_in for r in reps),
-                             comm_s=max(r.comm_s for r in reps), transfer_s=max(r.transfer_s for r in reps),
-                             checksum=replies[cell.leader].checksum, source_checksum=replies[source].checksum)
-            records.append(rec)
+            records.append(FlipRecord(
+                cell=cell.id, to=cell.role.value, step=step, round=round_, start=start, end=end,
+                duration_s=max(r.seconds for r in reps), bytes=sum(r.bytes_in for r in reps),
+                comm_s=max(r.comm_s for r in reps), transfer_s=max(r.transfer_s for r in reps),
+                checksum=replies[cell.leader].checksum, source_checksum=replies[source].checksum,
+                reason=ch.reason))
         self.metrics.append([TimelineRow(time=end, cell=r.cell, role=r.to, event="flip_end", step=step,
                                          duration_s=r.duration_s, bytes=r.bytes,
                                          detail=f"round {r.round}") for r in records])
@@ -217,83 +264,31 @@ class Controller:
                                    f"for TRAIN cells {[c.id for c in self.cells if c.role is Role.TRAIN]}")
         self.result.train_comm_checks += 1
 
-    # ---- steps -----------------------------------------------------------------------
-    def micro_batches_per_step(self) -> int:
-        """Enough micro-batches for every rank that could train to take one per round."""
-        plan = self.cfg.cells
-        return max(2, plan.count * plan.ranks_per_cell)
-
-    def run_step(self, step: int) -> StepRecord | None:
-        """One training step; None when an exit request interrupted it (nothing of it is kept)."""
-        t0 = time.perf_counter()
-        total = self.micro_batches_per_step()
-        self.consult(step, 0, total * self._tokens_per_micro_batch)
-        self.broadcast(protocol.BeginStep(step))
-        self.collect()
-        pending = list(range(total))
-        done_by: dict[int, list[int]] = {}
-        losses: dict[int, float] = {}
-        mb_tokens: dict[int, int] = {}
-        round_ = 0
-        while pending:
-            if round_ > 0:
-                before = {c.id: c.role for c in self.cells}
-                self.consult(step, round_, len(pending) * self._tokens_per_micro_batch)
-                for c in self.cells:
-                    if before[c.id] is Role.TRAIN and c.role is not Role.TRAIN:
-                        for r in c.ranks:                       # hand back its micro-batches
-                            for mb in done_by.pop(r, []):
-                                pending.append(mb)
-                                losses.pop(mb, None)
-                                mb_tokens.pop(mb, None)
-                    if before[c.id] is not Role.TRAIN and c.role is Role.TRAIN:
-                        for r in c.ranks:
-                            done_by.pop(r, None)
-            if self.exit_requested():
-                self.broadcast(protocol.AbortStep(step))
-                self.collect()
-                return None
-            ranks = train_ranks(self.cells)
-            assign = {r: (mb,) for r, mb in zip(ranks, pending)}
-            pending = pending[len(assign):]
-            self.broadcast(protocol.Round(step=step, round=round_, assign=assign))
-            replies = self.collect()
-            self._measure(replies)
-            for rank, rep in replies.items():
-                if rep.losses:
-                    done_by.setdefault(rank, []).extend(rep.losses)
-                    losses.update(rep.losses)
-                    self._tokens_per_micro_batch = rep.tokens // len(rep.losses)
-                    mb_tokens.update((mb, self._tokens_per_micro_batch) for mb in rep.losses)
-            round_ += 1
-        self.broadcast(protocol.EndStep(step=step, micro_batches=total, checksums=self.verify_weights))
-        ends = self.collect()
-        self.policy_version += 1
-        return StepRecord(step=step, wall_s=time.perf_counter() - t0, loss=sum(losses.values()) / len(losses),
-                          train_cells=tuple(c.id for c in self.cells if c.role is Role.TRAIN),
-                          tokens=sum(mb_tokens.values()),
-                          policy_version=self.policy_version,
-                          checksums={r: e.checksum for r, e in ends.items()} if self.verify_weights else None)
-
-    def save_checkpoint(self, step: int) -> Path:
+    # ---- checkpoints, stop, the loop over steps ----------------------------------------
+    def save_checkpoint(self, step: int, extra: dict | None = None) -> Path:
+        """The core cell writes its state into a staging directory; the driver adds its
+        files; the commit makes it ``latest``. Only the core cell's ranks take part."""
         if step == self.last_checkpointed:
             return self.run.checkpoints / checkpoint.step_dir_name(step)
         staging = checkpoint.staging_dir(self.run.checkpoints, step)
-        self.broadcast(protocol.SaveCheckpoint(step=step, directory=str(staging)))
-        self.collect()
+        core = core_cell(self.cells)
+        self.broadcast(protocol.SaveCheckpoint(step=step, directory=str(staging),
+                                               extra={"step": step, "policy_version": self.policy_version}),
+                       ranks=list(core.ranks))
+        self.collect(list(core.ranks))
+        files, extra = self.driver.checkpoint_contents(step, staging)
         meta = checkpoint.CheckpointMeta(step=step, policy_version=self.policy_version,
-                                         roles={str(c.id): c.role.value for c in self.cells})
+                                         roles={str(c.id): c.role.value for c in self.cells},
+                                         files=files, extra=extra)
         final = checkpoint.commit(self.run.checkpoints, step, meta, keep=self.keep_checkpoints)
         self.last_checkpointed = step
-        # Step rows are written once their step is sealed: a fleet killed before the checkpoint
-        # reruns those steps after the relaunch, and their rows must not appear twice.
-        self.metrics.append(self._unsealed_rows)
-        self._unsealed_rows = []
+        self.driver.sealed(step)
         return final
 
     def stop(self, code: int) -> FleetResult:
+        self.driver.before_stop()
         self.mark_cells("end", self.result.last_completed)
-        self.broadcast(protocol.Stop(code))
+        self.broadcast(protocol.Stop(code), reply=False)
         self.result.exit_code = code
         return self.result
 
@@ -309,26 +304,23 @@ class Controller:
         steps = self.cfg.train.steps
         step = self.start_step
         self.mark_cells("start", step)
-        while step <= steps:
-            if self.exit_requested():
-                break
-            rec = self.run_step(step)
+        self.driver.begin()
+        while step <= steps and not self.exit_requested():
+            rec = self.driver.run_step(step)
             if rec is None:
                 break
             self.result.steps.append(rec)
             self.result.last_completed = step
-            self._unsealed_rows.append(StepRow(step=step, time=time.time(), wall_s=rec.wall_s, tokens=rec.tokens,
-                                               replicas=len(rec.train_cells), loss=rec.loss,
-                                               policy_version=rec.policy_version))
-            print(f"[fleet] step {step}/{steps} loss {rec.loss:.5f} train cells {list(rec.train_cells)} "
-                  f"{rec.wall_s:.2f}s", flush=True)
-            if step % self.cfg.train.checkpoint_every == 0 or step == steps:
+            due = step % self.cfg.train.checkpoint_every == 0 or step == steps
+            if due:
                 self.save_checkpoint(step)
+            self.driver.step_done(step, due)
             step += 1
         if self.result.last_completed >= steps:
             return self.stop(EXIT_DONE)
         # Asked to stop: seal the last completed step (a no-op if it was just checkpointed).
-        self.save_checkpoint(self.result.last_completed)
+        if self.result.last_completed >= self.start_step:
+            self.save_checkpoint(self.result.last_completed)
         print(f"[fleet] {CHECKPOINT_AND_EXIT}: checkpointed step {self.result.last_completed}, exiting "
               f"{EXIT_CHECKPOINTED}", flush=True)
         return self.stop(EXIT_CHECKPOINTED)

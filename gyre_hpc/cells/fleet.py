@@ -1,4 +1,4 @@
-"""Starting the fleet on every rank: resume, initial weight sync, then controller or cell loop.
+"""Starting the fleet on every rank: resume, initial weight sync, then controller or serve loop.
 
 Why every uncaught exception ends in ``Abort``: a rank that dies while the others sit in a
 collective or wait for a command would leave them hanging until the job's time limit; the
@@ -7,6 +7,9 @@ mpiexec and under srun) with a non-zero status.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -19,43 +22,21 @@ import torch
 from mpi4py import MPI
 
 from gyre_hpc.cells import checkpoint, comms, weights
-from gyre_hpc.cells.cell_rank import CellRank
-from gyre_hpc.cells.controller import Controller, FleetResult
+from gyre_hpc.cells.cell_rank import CellRank, RankHandler
+from gyre_hpc.cells.controller import Controller, FleetResult, StepDriver
 from gyre_hpc.cells.plan import CONTROLLER_RANK, core_cell, plan_cells, world_size
-from gyre_hpc.cells.workload import SubstrateWorkload, Workload
+from gyre_hpc.cells.substrate_driver import SubstrateDriver
+from gyre_hpc.cells.workload import SubstrateWorkload, Workload, load_into
 from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, recover_unclosed
 from gyre_hpc.rundir.tensorboard import TensorBoardMirror, run_origin_s
 from gyre_hpc.sched.state import Policy, Role
 
-WorkloadFactory = Callable[[RunConfig, int], Workload]
-
-
-def substrate_workload(cfg: RunConfig, rank: int) -> Workload:
-    return SubstrateWorkload(cfg)
-
-
-@dataclass(frozen=True)
-class FleetOptions:
-    workload: WorkloadFactory = substrate_workload
-    policy: Policy | None = None            # None: the one cfg.scheduler names
-    verify_weights: bool = False            # report state checksums on flips and steps (tests)
-    chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
-    reply_timeout_s: float = 600.0          # a cell rank silent this long fails the fleet
-
-
-def resolve_policy(cfg: RunConfig) -> Policy:
-    from gyre_hpc.sched.registry import policy_from_config
-    try:
-        return policy_from_config(cfg.scheduler)
-    except ValueError as exc:
-        raise ConfigError(f"scheduler.policy={cfg.scheduler.policy!r}: {exc}") from None
-
 
 @dataclass(frozen=True)
 class FleetStart:
-    """What every rank of either fleet knows after start-up: config, cells, resume point, comms."""
+    """What every rank knows after start-up: config, cells, resume point, communicators."""
 
     run: RunDir
     cfg: RunConfig
@@ -66,15 +47,70 @@ class FleetStart:
     cell_comm: MPI.Intracomm
     cells_comm: MPI.Intracomm | None
     train_comm: MPI.Intracomm | None
+    engine_comm: MPI.Intracomm        # the engine service's own tags (``engines.mpi_engines``)
 
     @property
     def start_step(self) -> int:
         return self.meta.step + 1 if self.meta else 1
 
 
+@dataclass(frozen=True)
+class FleetWorkload:
+    """A workload as the fleet runs it; the fleet itself is the same for all.
+
+    ``rank_workload`` builds what a cell rank computes with (flips move its ``state_dict``,
+    checkpoints hold it); ``rank_handler`` answers the workload's own commands inside the one
+    serve loop; ``step_driver`` runs on the controller rank and drives each step through the
+    controller's messaging (it may enter contexts, e.g. open the tree store, on ``stack``).
+    A workload above ``cells`` (``gyre_hpc.rl``) builds one of these and starts the fleet with it.
+    """
+
+    name: str
+    rank_workload: Callable[[RunConfig, int], Workload]
+    step_driver: Callable[[Controller, FleetStart, contextlib.ExitStack], StepDriver]
+    rank_handler: Callable[[FleetStart, CellRank], RankHandler | None] = lambda fs, cell_rank: None
+    check: Callable[[RunConfig], None] | None = None
+
+
+def _substrate_workload(cfg: RunConfig, rank: int) -> Workload:
+    return SubstrateWorkload(cfg)
+
+
+def _substrate_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -> StepDriver:
+    return SubstrateDriver(ctl)
+
+
+def _check_substrate(cfg: RunConfig) -> None:
+    if cfg.workload != "substrate":
+        raise ConfigError(f"workload={cfg.workload!r}: `python -m gyre_hpc.cells` runs the substrate workload; "
+                          f"start the {cfg.workload} fleet with `python -m gyre_hpc.{cfg.workload}`")
+
+
+SUBSTRATE = FleetWorkload(name="substrate", rank_workload=_substrate_workload, step_driver=_substrate_driver,
+                          check=_check_substrate)
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    workload: FleetWorkload = SUBSTRATE
+    policy: Policy | None = None            # None: the one cfg.scheduler names
+    verify_weights: bool = False            # report state checksums on flips and steps (tests)
+    chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
+    reply_timeout_s: float = 600.0          # a cell rank silent this long fails the fleet
+    result_path: str | None = None          # rank 0 writes the FleetResult here as JSON (tests, benchmarks)
+
+
+def resolve_policy(cfg: RunConfig) -> Policy:
+    from gyre_hpc.sched.registry import policy_from_config
+    try:
+        return policy_from_config(cfg.scheduler)
+    except ValueError as exc:
+        raise ConfigError(f"scheduler.policy={cfg.scheduler.policy!r}: {exc}") from None
+
+
 def start_fleet(run_dir: str | Path, world: MPI.Intracomm,
                 check: Callable[[RunConfig], None] | None = None) -> FleetStart:
-    """The start-up both fleets share: the world fits the plan, roles resume from ``latest``."""
+    """Start-up on every rank: the world fits the plan, roles resume from ``latest``."""
     torch.set_num_threads(int(os.environ.get("GYRE_TORCH_THREADS", "1")))
     run = RunDir.at(run_dir)
     cfg = load_config(run.config)
@@ -91,7 +127,8 @@ def start_fleet(run_dir: str | Path, world: MPI.Intracomm,
     return FleetStart(run=run, cfg=cfg, cells=cells, rank=world.Get_rank(), latest=latest, meta=meta,
                       cell_comm=comms.split_cell_comm(world, cells),
                       cells_comm=comms.split_cells_comm(world, cells),
-                      train_comm=comms.split_train_comm(world, cells))
+                      train_comm=comms.split_train_comm(world, cells),
+                      engine_comm=world.Dup())
 
 
 def open_fleet_metrics(run: RunDir, cfg: RunConfig) -> MetricsWriter:
@@ -112,59 +149,48 @@ def open_fleet_metrics(run: RunDir, cfg: RunConfig) -> MetricsWriter:
 def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
               world: MPI.Intracomm = MPI.COMM_WORLD) -> FleetResult | int:
     """Run this rank's part; the controller returns the FleetResult, cell ranks their exit code."""
-    fs = start_fleet(run_dir, world)
+    wl = options.workload
+    fs = start_fleet(run_dir, world, check=wl.check)
     run, cfg, cells, rank, latest, meta = fs.run, fs.cfg, fs.cells, fs.rank, fs.latest, fs.meta
-    cell_comm, cells_comm, train_comm = fs.cell_comm, fs.cells_comm, fs.train_comm
     if rank == CONTROLLER_RANK:
         run.make()
         policy = options.policy or resolve_policy(cfg)
-        with open_fleet_metrics(run, cfg) as metrics:
+        with contextlib.ExitStack() as stack:
+            metrics = stack.enter_context(open_fleet_metrics(run, cfg))
             start = fs.start_step
-            metrics.event("fleet_resume" if meta else "fleet_start", step=start,
-                          detail=f"from {latest.name}" if latest else "fresh")
             ctl = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
                              start_step=start, policy_version=meta.policy_version if meta else 0,
                              verify_weights=options.verify_weights, last_checkpointed=meta.step if meta else -1,
                              reply_timeout_s=options.reply_timeout_s)
+            ctl.driver = wl.step_driver(ctl, fs, stack)
+            metrics.event("fleet_resume" if meta else "fleet_start", step=start,
+                          detail=f"{wl.name} from {latest.name}" if latest else f"{wl.name} fresh")
             result = ctl.serve()
             metrics.event("fleet_exit", step=result.last_completed, detail=f"exit {result.exit_code}")
+        if options.result_path:
+            Path(options.result_path).write_text(json.dumps(dataclasses.asdict(result), indent=1, default=str))
         return result
 
-    workload = options.workload(cfg, rank)
+    workload = wl.rank_workload(cfg, rank)
     core = core_cell(cells)
     if latest is not None and rank == core.leader:
-        _load_into(workload.state_dict(), checkpoint.load_state(latest), latest)
+        workload.load(latest)
     # Every cell starts from the core's weights (fresh init or checkpoint): one broadcast.
-    weights.bcast_state_dict(workload.state_dict() if rank == core.leader else None, cells_comm, root=0,
+    weights.bcast_state_dict(workload.state_dict() if rank == core.leader else None, fs.cells_comm, root=0,
                              into=None if rank == core.leader else workload.state_dict(),
                              chunk_bytes=options.chunk_bytes)
     cell_rank = CellRank(world=world, cells=cells, workload=workload,
-                         rank_comms=comms.RankComms(world=world, cell=cell_comm, train=train_comm),
+                         rank_comms=comms.RankComms(world=world, cell=fs.cell_comm, train=fs.train_comm),
                          chunk_bytes=options.chunk_bytes)
+    cell_rank.handler = wl.rank_handler(fs, cell_rank)
     return cell_rank.serve()
-
-
-def _load_into(local: dict, stored: dict, where: Path) -> None:
-    missing = sorted(set(local) - set(stored))
-    extra = sorted(set(stored) - set(local))
-    if missing or extra:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {where}: tensors missing {missing}, unexpected {extra} for this model")
-    for name, t in local.items():
-        src = stored[name]
-        if src.shape != t.shape or src.dtype != t.dtype:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {where}: {name} is {src.dtype}{list(src.shape)}, the model has "
-                f"{t.dtype}{list(t.shape)}")
-        t.copy_(src)
 
 
 def guard_world(entry, label: str, world: MPI.Intracomm):
     """Run ``entry()``; any exception on any rank ends the whole world.
 
     Why: a rank that dies alone leaves the others blocked in a collective forever, and the
-    supervisor would wait on a hung step instead of relaunching it. Both fleets (the
-    substrate and the rl workload) go through this one guard.
+    supervisor would wait on a hung step instead of relaunching it.
     """
     try:
         out = entry()
@@ -208,3 +234,14 @@ def exit_rank(code: int, world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     if code != 0:
         time.sleep(CONTROLLER_EXIT_GRACE_S)
     return code
+
+
+def rank_main(prog: str, description: str, entry: Callable[[str], int], argv: list[str] | None = None) -> int:
+    """The command line of a fleet module (``python -m gyre_hpc.cells`` / ``gyre_hpc.rl``):
+    ``--run-dir``, then ``entry`` (a guarded run) and the clean exit of ``exit_rank``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    args = parser.parse_args(argv)
+    return exit_rank(entry(args.run_dir))

@@ -1,9 +1,11 @@
-"""The command loop's messages: the controller sends commands, every cell rank replies.
+"""The fleet protocol's messages: the controller sends commands, the cell rank replies.
 
 Small frozen dataclasses pickled over MPI point-to-point (they are tiny; bulk bytes move
-with buffer-based collectives in ``weights``/``gradsync``). Every cell rank gets every
-command and answers it, even when it has nothing to do, so the controller always knows
-the command was seen and the collectives that follow line up.
+with buffer-based collectives in ``weights``/``gradsync``). Every command owes exactly one
+reply (``Stop`` none), so the controller always knows the command was seen, the collectives
+that follow line up, and a silent rank is found by its reply timeout. Workloads add their
+own commands (``gyre_hpc.rl.messages``); they travel the same way and are answered by the
+workload's rank handler inside the one serve loop of ``cell_rank``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ class Flip:
     step: int
     changes: tuple[tuple[int, str], ...]   # (cell, Role value)
     checksums: bool = False                # joiners/leavers report a state checksum (tests)
+    # Every cell's role before the flip. Engines that take no part in a flip keep decoding
+    # and miss it; whichever Flip reaches them next brings their role table up to date.
+    before: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,11 @@ class EndStep:
 
 @dataclass(frozen=True)
 class SaveCheckpoint:
+    """The core cell's ranks write their workload's state into ``directory`` (the leader)."""
+
     step: int
     directory: str
+    extra: dict | None = None              # written into the HF config by workloads that have one
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,13 @@ depend on which replica computed which micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from gyre_hpc.cells import checkpoint
 from gyre_hpc.config import RunConfig
 
 
@@ -44,6 +46,12 @@ class Workload(Protocol):
 
     def rollout(self, step: int, round_: int) -> int:
         """A slice of rollout work; returns tokens produced."""
+
+    def save(self, directory: str | Path, extra: dict | None = None) -> None:
+        """Write the state a checkpoint holds into ``directory`` (the core leader only)."""
+
+    def load(self, directory: str | Path) -> None:
+        """Load what ``save`` wrote, checking names, shapes and dtypes."""
 
 
 class SubstrateModel(nn.Module):
@@ -122,3 +130,25 @@ class SubstrateWorkload:
             for _ in range(4):
                 self.model(x)
         return x.shape[0] * 4
+
+    def save(self, directory: str | Path, extra: dict | None = None) -> None:
+        checkpoint.write_state(Path(directory), self.state_dict())
+
+    def load(self, directory: str | Path) -> None:
+        load_into(self.state_dict(), checkpoint.load_state(Path(directory)), Path(directory))
+
+
+def load_into(local: dict, stored: dict, where: Path) -> None:
+    """Copy ``stored`` into the tensors of ``local``; a name, shape or dtype mismatch names the tensor."""
+    missing = sorted(set(local) - set(stored))
+    extra = sorted(set(stored) - set(local))
+    if missing or extra:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {where}: tensors missing {missing}, unexpected {extra} for this model")
+    for name, t in local.items():
+        src = stored[name]
+        if src.shape != t.shape or src.dtype != t.dtype:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {where}: {name} is {src.dtype}{list(src.shape)}, the model has "
+                f"{t.dtype}{list(t.shape)}")
+        t.copy_(src)

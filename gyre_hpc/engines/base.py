@@ -89,6 +89,12 @@ class EngineBookkeeping:
         self._finished.clear()
         return out
 
+    def adopt_weights(self, version: int) -> None:
+        """The model's own tensors were overwritten in place (a broadcast received into them,
+        between two decode steps); tokens from now on are of ``version``."""
+        self._check_usable("adopt_weights")
+        self._version = version
+
     def _check_usable(self, action: str) -> None:
         if self._asleep:
             raise EngineError(f"engine {self.name} is asleep (level {self._asleep}): wake() before {action}")

@@ -29,7 +29,7 @@ Give this module its own communicator (``comm.Dup()``) so its tags meet no other
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from gyre_hpc.engines.base import Engine, EngineError
 from gyre_hpc.engines.kv_transfer import recv_kv_state, send_kv_state
@@ -61,13 +61,16 @@ def _wait_probe(comm, source: int, tag: int, timeout_s: float | None = None):
 # ---- the engine rank -------------------------------------------------------------------
 
 
-def serve_engine(engine: Engine, comm, controller: int = 0, chunk_bytes: int | None = None):
+def serve_engine(engine: Engine, comm, controller: int = 0, chunk_bytes: int | None = None,
+                 ops: Mapping[str, Callable[[object], object]] | None = None):
     """Serve ``engine`` to the controller until it says stop; returns the final counters.
 
     A command that fails (a bad request, weights that do not fit) is answered with an error
-    the controller raises; the engine and its other sequences carry on.
+    the controller raises; the engine and its other sequences carry on. ``ops`` adds commands
+    the rank's owner handles (e.g. ``recv_weights``: a broadcast into the engine's tensors);
+    like every command they run between two decode steps, the engine's safe point.
     """
-    server = _EngineServer(engine, comm, controller, chunk_bytes)
+    server = _EngineServer(engine, comm, controller, chunk_bytes, ops or {})
     while not server.stopped:
         busy = server.decoding and engine.has_unfinished()
         while not server.stopped and (comm.Iprobe(source=controller, tag=CMD_TAG) or not busy):
@@ -86,8 +89,10 @@ def serve_engine(engine: Engine, comm, controller: int = 0, chunk_bytes: int | N
 
 
 class _EngineServer:
-    def __init__(self, engine: Engine, comm, controller: int, chunk_bytes: int | None):
+    def __init__(self, engine: Engine, comm, controller: int, chunk_bytes: int | None,
+                 ops: Mapping[str, Callable[[object], object]]):
         self.engine, self.comm, self.controller = engine, comm, controller
+        self.ops = ops
         self.kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.decoding = True
         self.stopped = False
@@ -96,7 +101,7 @@ class _EngineServer:
         self.comm.send(("reply", op, payload), dest=self.controller, tag=UP_TAG)
 
     def handle(self, op: str, payload) -> None:
-        handler = getattr(self, f"op_{op}", None)
+        handler = self.ops.get(op) or getattr(self, f"op_{op}", None)
         if handler is None:
             self.reply("error", f"unknown engine command {op!r}")
             return
@@ -176,8 +181,10 @@ class _EngineServer:
 class MPIEngines:
     """The router's transport to engines served by ``serve_engine`` in other ranks."""
 
-    def __init__(self, comm, ranks: Mapping[int, int], poll_timeout_s: float = 0.05):
+    def __init__(self, comm, ranks: Mapping[int, int], poll_timeout_s: float = 0.05,
+                 reply_timeout_s: float = 600.0):
         self.comm = comm
+        self.reply_timeout_s = reply_timeout_s   # an engine silent this long on a command fails the caller
         self.ranks = dict(ranks)              # engine id -> rank
         self._engine_of = {r: e for e, r in self.ranks.items()}
         self._pending: list[EngineReport] = []
@@ -214,8 +221,14 @@ class MPIEngines:
 
         got: dict[int, object] = {}
         errors: list[str] = []
+        deadline = time.monotonic() + self.reply_timeout_s
         while set(expect) - set(got):
-            r = self._receive_one(_wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG))
+            status = _wait_probe(self.comm, MPI.ANY_SOURCE, UP_TAG, max(0.0, deadline - time.monotonic()))
+            if status is None:
+                silent = {e: expect[e] for e in sorted(set(expect) - set(got))}
+                raise EngineError("; ".join(f"engine {e} (rank {self.ranks[e]}) did not answer {op!r} within "
+                                            f"{self.reply_timeout_s:g} s" for e, op in silent.items()))
+            r = self._receive_one(status)
             if r is None:
                 continue
             engine, op, payload = r
@@ -230,6 +243,13 @@ class MPIEngines:
         if errors:
             raise EngineError("; ".join(errors))
         return got
+
+    def call_many(self, commands: Mapping[int, tuple[str, object]]) -> dict[int, object]:
+        """One command with a reply to each of several engines, all sent before any reply is
+        awaited (they may meet in one collective, e.g. ``recv_weights``)."""
+        for engine, (op, payload) in commands.items():
+            self._send(engine, op, payload)
+        return self._await_replies({engine: op for engine, (op, _) in commands.items()})
 
     def call(self, engine: int, op: str, payload=None):
         """One command with a reply (stats, load_weights, sleep, wake, open, stop)."""

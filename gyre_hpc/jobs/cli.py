@@ -15,12 +15,21 @@ _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VAL
 
 def _load(config: str, overrides: tuple[str, ...]) -> RunConfig:
     """The config, also checked against the workload's registries: refused before anything starts."""
-    from gyre_hpc.cells.preflight import check_workload_config
+    from gyre_hpc.jobs.preflight import check_workload_config
 
     try:
         cfg = load_config(config, list(overrides))
         check_workload_config(cfg)
         return cfg
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _prepare(cfg: RunConfig, build: bool) -> RunConfig:
+    from gyre_hpc.jobs.preflight import prepare_workload_config
+
+    try:
+        return prepare_workload_config(cfg, build, log=click.echo)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -34,11 +43,9 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
     from gyre_hpc.rundir.layout import RunDir
 
     cfg = _load(config, overrides)
-    if cfg.workload == "rl" and cfg.warmstart.enabled:
-        from gyre_hpc.warmstart.cache import with_warmstart
-        cfg = with_warmstart(cfg, log=click.echo)
+    cfg = _prepare(cfg, build=True)
     if cfg.workload == "rl":
-        from gyre_hpc.rl.progress import progress_display
+        from gyre_hpc.jobs.progress import progress_display
         with progress_display(cfg):
             result = run_head(cfg)
     else:
@@ -51,7 +58,7 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
             click.echo(f"  {label:<12} {path}")
     click.echo(f"summary: gyre-hpc inspect {run_dir.root}")
     if cfg.workload == "rl":
-        from gyre_hpc.rl.progress import notebook_hint
+        from gyre_hpc.jobs.progress import notebook_hint
         hint = notebook_hint(run_dir.root)
         if hint:
             click.echo(hint)
@@ -69,16 +76,8 @@ def submit(config: str, overrides: tuple[str, ...], use_sbatch: bool, wait: bool
     from gyre_hpc.rundir.layout import RunDir
 
     cfg = _load(config, overrides).model_copy(update={"launcher": "slurm"})
-    if cfg.workload == "rl" and cfg.warmstart.enabled and not cfg.model.path:
-        # Never train on a login node: the warm start must be built already (in an allocation).
-        from gyre_hpc.warmstart.cache import cached_warmstart
-        built = cached_warmstart(cfg)
-        if built is None:
-            raise click.ClickException(
-                f"warmstart.enabled: no cached warm-start checkpoint under {cfg.warmstart.cache_dir} for this "
-                f"config; build it first inside an allocation (srun gyre-hpc warmstart {config}) or set "
-                f"warmstart.enabled=false")
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(built.resolve())})})
+    # Never train on a login node: a warm start must be built already (in an allocation).
+    cfg = _prepare(cfg, build=False)
     run_dir = RunDir.at(cfg.run_dir).make()
     cfg = cfg.model_copy(update={"run_dir": str(run_dir.root)})
     if use_sbatch:

@@ -76,8 +76,11 @@ def _cmdline(pid: int) -> list[str] | None:
 
 
 def _is_fleet_of(argv: list[str], root: str) -> bool:
+    from gyre_hpc.jobs.supervisor import FLEET_MODULES   # every workload's fleet module (rl: gyre_hpc.rl)
+
+    modules = set(FLEET_MODULES.values())
     for i, arg in enumerate(argv[:-1]):
-        if arg == "--run-dir" and os.path.realpath(argv[i + 1]) == root and "gyre_hpc.cells" in argv:
+        if arg == "--run-dir" and os.path.realpath(argv[i + 1]) == root and modules.intersection(argv):
             return True
     return False
 

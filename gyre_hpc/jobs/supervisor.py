@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gyre_hpc.cells.preflight import check_workload_config
+from gyre_hpc.jobs.preflight import check_workload_config
 from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.jobs.launchers import FleetHandle, Launcher, LaunchError
 from gyre_hpc.jobs.ownership import HeadLock, RunDirInUse, check_rerun, live_fleet
@@ -67,8 +67,15 @@ def latest_checkpoint_step(run: RunDir) -> int | None:
     return None if latest is None else checkpoint.read_meta(latest).step
 
 
-def fleet_argv(run: RunDir, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "gyre_hpc.cells", "--run-dir", str(run.root)]
+# The module each workload's fleet ranks run (``python -m MODULE --run-dir``). Named, not
+# imported: the head job starts the fleet and never imports the workloads above ``cells``.
+FLEET_MODULES = {"substrate": "gyre_hpc.cells", "rl": "gyre_hpc.rl"}
+
+
+def fleet_argv(run: RunDir, python: str = sys.executable, workload: str = "substrate") -> list[str]:
+    if workload not in FLEET_MODULES:
+        raise ValueError(f"workload={workload!r}: valid workloads are {sorted(FLEET_MODULES)}")
+    return [python, "-m", FLEET_MODULES[workload], "--run-dir", str(run.root)]
 
 
 def requeue_slurm_job(job_id: str) -> None:
@@ -96,7 +103,7 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         if self.argv is None:
-            self.argv = fleet_argv(self.run)
+            self.argv = fleet_argv(self.run, workload=self.cfg.workload)
         if self.drain_timeout_s is None:
             self.drain_timeout_s = max(10.0, 0.8 * self.cfg.slurm.signal_s)
 

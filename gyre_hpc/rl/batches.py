@@ -84,3 +84,75 @@ def pick_replica(replicas: Iterable[int], held_tokens: Mapping[int, int], speeds
     if not replicas:
         raise RuntimeError("no TRAIN replica to hand a micro-batch to")
     return min(replicas, key=lambda r: ((held_tokens.get(r, 0) + tokens) / speeds.rate(r), r))
+
+
+@dataclass(frozen=True)
+class MicroBatchRef:
+    """What a replica is dealt: which committed trees (store indices) make the group and which
+    of its micro-batches to train. The replica reads the trees from ``trees.zarr`` itself and
+    packs them with the same pure ``group_micro_batches``: no tree crosses MPI."""
+
+    step: int
+    mb_id: int
+    trees: tuple[int, ...]     # store indices of the advantage group, in group order
+    first_id: int              # mb_id of the group's first micro-batch
+    tokens: int                # packed tokens (for dealing by speed)
+    loss_tokens: int
+
+
+def group_refs(indices: Sequence[int], mbs: Sequence[MicroBatch]) -> list[MicroBatchRef]:
+    first = mbs[0].mb_id if mbs else 0
+    return [MicroBatchRef(mb.step, mb.mb_id, tuple(int(i) for i in indices), first, mb.tokens, mb.loss_tokens)
+            for mb in mbs]
+
+
+class StoreMicroBatches:
+    """Replica side: micro-batches from the store, by the indices the controller dealt.
+
+    Trusts only what the commit marker covers (re-read when an index is past it); one group's
+    micro-batches are packed once and kept until the group's last one is trained.
+    """
+
+    def __init__(self, store_path, row_tokens: int, micro_batch_tokens: int, shared_targets: str = "per_sample",
+                 averaging: str = "run", forest: bool = True):
+        self.store_path = store_path
+        self.row_tokens, self.micro_batch_tokens = row_tokens, micro_batch_tokens
+        # The controller's packing settings: both sides must cut the group identically.
+        self.shared_targets, self.averaging, self.forest = shared_targets, averaging, forest
+        self._store = None
+        self._groups: dict[tuple[int, int], dict[int, MicroBatch]] = {}
+
+    @classmethod
+    def of(cls, store_path, train) -> "StoreMicroBatches":
+        """With the packing settings of ``train`` (a ``TrainConfig``), as the controller packs."""
+        return cls(store_path, train.row_tokens, train.micro_batch_tokens, train.shared_targets, train.averaging,
+                   train.group_forest)
+
+    def _open(self):
+        from gyre_hpc.trees.store import TreeStore
+
+        if self._store is None:
+            self._store = TreeStore.open(self.store_path, "r")
+        return self._store
+
+    def get(self, ref: MicroBatchRef) -> MicroBatch:
+        key = (ref.step, ref.first_id)
+        if key not in self._groups:
+            store = self._open()
+            if max(ref.trees) >= len(store) and max(ref.trees) >= store.refresh():
+                raise RuntimeError(f"micro-batch {ref.mb_id} of step {ref.step}: tree {max(ref.trees)} is past the "
+                                   f"commit marker of {self.store_path} ({len(store)} trees committed)")
+            trees = [store.read(i) for i in ref.trees]
+            mbs = group_micro_batches(trees, ref.step, ref.first_id, self.row_tokens, self.micro_batch_tokens,
+                                      self.shared_targets, self.averaging, self.forest)
+            self._groups[key] = {mb.mb_id: mb for mb in mbs}
+        group = self._groups[key]
+        mb = group.pop(ref.mb_id)
+        if not group:
+            del self._groups[key]
+        return mb
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,29 +1,30 @@
-"""Starting the RL fleet on every rank (``python -m gyre_hpc.cells`` with ``workload: rl``).
+"""The RL workload as the fleet runs it (``python -m gyre_hpc.rl --run-dir RUN_DIR``).
 
-The same shape as ``cells.fleet.run_fleet``: the same world layout, communicators, resume
-from ``checkpoints/latest`` and one startup broadcast from the core cell; what differs is
-what runs on top: ``RLController`` on rank 0, ``RLCellRank`` (engine + trainer) elsewhere.
-Resume: the core leader loads the HF-format weights and the optimizer state; the startup
-broadcast gives every cell both; the controller learns from the checkpoint's meta which
-committed trees are trained (``trained_upto``) and where to continue.
+The fleet is ``cells.fleet.run_fleet``: the same world layout, communicators, resume from
+``checkpoints/latest``, startup broadcast from the core cell, controller and serve loop. This
+module only says what the RL workload puts on top: ``RLTrainer`` as the rank workload (the
+core leader loads the HF-format weights and optimizer state from a checkpoint),
+``RLRankHandler`` (engine + replica commands) on cell ranks, ``RLStepDriver`` on rank 0,
+which learns from the checkpoint's meta which committed trees are trained (``trained_upto``).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mpi4py import MPI
 
-from gyre_hpc.cells import checkpoint, comms, weights
+from gyre_hpc.cells import checkpoint
 from gyre_hpc.cells.cell_rank import CellRank
-from gyre_hpc.engines.torch_engine import TorchEngine
-from gyre_hpc.cells.fleet import guard_world, open_fleet_metrics, resolve_policy, start_fleet
-from gyre_hpc.cells.plan import CONTROLLER_RANK, cell_of_rank, core_cell
+from gyre_hpc.cells.controller import Controller
+from gyre_hpc.cells.fleet import FleetOptions, FleetStart, FleetWorkload, guard_world, run_fleet
+from gyre_hpc.cells.plan import cell_of_rank
 from gyre_hpc.config import ConfigError, RunConfig
-from gyre_hpc.rl.cell import RLCellRank
-from gyre_hpc.rl.controller import RLController, RLFleetResult, restore_step_rows
+from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.rl.batches import StoreMicroBatches
+from gyre_hpc.rl.driver import RLStepDriver, restore_step_rows
+from gyre_hpc.rl.rank import RLRankHandler
 from gyre_hpc.rl.trainer import RLTrainer
 from gyre_hpc.sched.state import Policy
 from gyre_hpc.trees.store import TreeStore
@@ -34,10 +35,14 @@ class RLFleetOptions:
     policy: Policy | None = None      # None: the one cfg.scheduler names
     verify_weights: bool = False      # replicas report state checksums at each step's end (tests)
     max_batch: int = 64               # engine continuous-batching width
-    result_path: str | None = None    # rank 0 writes the RLFleetResult here as JSON (tests, benchmarks)
+    result_path: str | None = None    # rank 0 writes the FleetResult here as JSON (tests, benchmarks)
+    reply_timeout_s: float = 600.0    # a cell rank silent this long fails the fleet
 
 
 def check_rl_config(cfg: RunConfig) -> None:
+    if cfg.workload != "rl":
+        raise ConfigError(f"workload={cfg.workload!r}: `python -m gyre_hpc.rl` runs the rl workload; "
+                          f"start the {cfg.workload} fleet with `python -m gyre_hpc.cells`")
     if cfg.cells.ranks_per_cell != 1:
         raise ConfigError(f"cells.ranks_per_cell={cfg.cells.ranks_per_cell}: the rl workload runs one rank per "
                           f"cell (an engine or a replica each); set cells.ranks_per_cell=1")
@@ -65,48 +70,49 @@ def rollout_engine(cfg: RunConfig, trainer: RLTrainer, run_root: Path, cell_id: 
                       max_model_len=min(trainer.model.config.max_position, 8192))
 
 
-def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
-                 world: MPI.Intracomm = MPI.COMM_WORLD) -> RLFleetResult | int:
-    fs = start_fleet(run_dir, world, check=check_rl_config)
-    run, cfg, cells, rank, latest, meta = fs.run, fs.cfg, fs.cells, fs.rank, fs.latest, fs.meta
-    cell_comm, cells_comm, train_comm = fs.cell_comm, fs.cells_comm, fs.train_comm
-    # The engine service gets its own communicator so its tags meet no fleet command.
-    engine_comm = world.Dup()
-    version = meta.policy_version if meta else 0
-    if rank == CONTROLLER_RANK:
-        run.make()
-        policy = options.policy or resolve_policy(cfg)
-        missing_rows = restore_step_rows(latest, run.metrics) if latest is not None else []
-        with open_fleet_metrics(run, cfg) as metrics, TreeStore.open(run.trees, "a") as store:
-            metrics.append(missing_rows)
-            start = fs.start_step
-            trained_upto = int(meta.extra.get("trained_upto", 0)) if meta else 0
-            if trained_upto > len(store):
-                raise checkpoint.CheckpointError(
-                    f"checkpoint {latest} says {trained_upto} trees were trained, but {run.trees} commits only "
-                    f"{len(store)}: the store is older than the checkpoint")
-            metrics.event("fleet_resume" if meta else "fleet_start", step=start,
-                          detail=f"rl from {latest.name}, {len(store)} trees stored" if latest else "rl fresh")
-            ctl = RLController(world, engine_comm, cfg, run, cells, policy, metrics, store, start_step=start,
-                               policy_version=version, trained_upto=trained_upto,
-                               verify_weights=options.verify_weights)
-            result = ctl.serve()
-            metrics.event("fleet_exit", step=result.last_completed, detail=f"exit {result.exit_code}")
-        if options.result_path:
-            Path(options.result_path).write_text(json.dumps(dataclasses.asdict(result), indent=1))
-        return result
+def _rank_workload(cfg: RunConfig, rank: int) -> RLTrainer:
+    return RLTrainer(cfg)
 
-    trainer = RLTrainer(cfg)
-    core = core_cell(cells)
-    if latest is not None and rank == core.leader:
-        trainer.load(latest)
-    weights.bcast_state_dict(trainer.state_dict() if rank == core.leader else None, cells_comm, root=0,
-                             into=None if rank == core.leader else trainer.state_dict())
-    me = cell_of_rank(cells, rank)
-    engine = rollout_engine(cfg, trainer, run.root, me.id, version, options.max_batch)
-    cell_rank = CellRank(world=world, cells=cells, workload=trainer,
-                         rank_comms=comms.RankComms(world=world, cell=cell_comm, train=train_comm))
-    return RLCellRank(cell_rank, trainer, engine, engine_comm).serve()
+
+def _step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack,
+                 max_batch: int = 64) -> RLStepDriver:
+    store = stack.enter_context(TreeStore.open(fs.run.trees, "a"))
+    latest, meta = fs.latest, fs.meta
+    ctl.metrics.append(restore_step_rows(latest, fs.run.metrics) if latest is not None else [])
+    trained_upto = int(meta.extra.get("trained_upto", 0)) if meta else 0
+    if trained_upto > len(store):
+        raise checkpoint.CheckpointError(
+            f"checkpoint {latest} says {trained_upto} trees were trained, but {fs.run.trees} commits only "
+            f"{len(store)}: the store is older than the checkpoint")
+    if latest is not None:
+        ctl.metrics.event("rl_resume", step=fs.start_step, detail=f"from {latest.name}, {len(store)} trees stored")
+    return RLStepDriver(ctl, fs.engine_comm, store, trained_upto, max_batch=max_batch)
+
+
+def rl_workload(max_batch: int = 64) -> FleetWorkload:
+    def rank_handler(fs: FleetStart, cell_rank: CellRank) -> RLRankHandler:
+        trainer = cell_rank.workload
+        me = cell_of_rank(fs.cells, fs.rank)
+        engine = rollout_engine(fs.cfg, trainer, fs.run.root, me.id, fs.meta.policy_version if fs.meta else 0,
+                                max_batch)
+        return RLRankHandler(trainer, engine, fs.engine_comm, StoreMicroBatches.of(fs.run.trees, fs.cfg.train))
+
+    def step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -> RLStepDriver:
+        return _step_driver(ctl, fs, stack, max_batch)
+
+    return FleetWorkload(name="rl", rank_workload=_rank_workload, step_driver=step_driver,
+                         rank_handler=rank_handler, check=check_rl_config)
+
+
+def fleet_options(options: RLFleetOptions) -> FleetOptions:
+    return replace(FleetOptions(), workload=rl_workload(options.max_batch), policy=options.policy,
+                   verify_weights=options.verify_weights, result_path=options.result_path,
+                   reply_timeout_s=options.reply_timeout_s)
+
+
+def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
+                 world: MPI.Intracomm = MPI.COMM_WORLD):
+    return run_fleet(run_dir, fleet_options(options), world)
 
 
 def main_guarded(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),

@@ -1,15 +1,15 @@
-"""The RL fleet's own commands and replies, beside the substrate's ``cells.protocol``.
+"""The RL workload's commands and replies, on top of the fleet protocol (``cells.protocol``).
 
-They travel on the same world tags (``TAG_COMMAND`` down, ``TAG_REPLY`` up) and a cell rank
-handles them in the same loop as ``protocol.Flip`` and ``protocol.Stop``, so the flip
-machinery of ``gyre_hpc.cells`` is used unchanged. Micro-batches are pickled: packed rows of a
-tiny model are kilobytes; weights move with the chunked broadcasts of ``cells.weights``.
+They go out through the controller's ``send``/``broadcast`` and each owes one reply like any
+fleet command; the cell rank's one serve loop hands them to ``rl.rank.RLRankHandler``. A micro-batch travels as store indices
+(``MicroBatchRef``): the replica reads the trees from ``trees.zarr``; weights move with the
+chunked broadcasts of ``cells.weights``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyre_hpc.rl.trainer import MicroBatch
+from gyre_hpc.rl.batches import MicroBatchRef
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,11 @@ class Serve:
 
 @dataclass(frozen=True)
 class Train:
-    micro_batch: MicroBatch
+    micro_batch: MicroBatchRef      # store indices of the group, not the trees
+
+    @property
+    def step(self) -> int:
+        return self.micro_batch.step
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,19 @@ class Finish:
 
 
 @dataclass(frozen=True)
-class SaveRL:
-    directory: str
-    extra: dict
+class PushWeights:
+    """Core leader: broadcast the new weights to ``members[1:]`` (serving engines' ranks)."""
+
+    step: int
+    policy_version: int
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightsReport:
+    rank: int
+    seconds: float
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -55,5 +69,4 @@ class FinishReport:
     rank: int
     seconds: float
     replicas: float                 # total weight of the allreduce: replicas that took part
-    state: dict | None = None       # the core leader's new model weights, for the engines
     checksum: str | None = None

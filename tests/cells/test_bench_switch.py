@@ -34,6 +34,15 @@ def test_summary_takes_medians_and_divides_by_the_baseline():
     assert s["ratio"]["rollout_to_train_s_over_baseline_s"] == 4.0
 
 
+def test_summary_reports_engine_weight_sync_against_a_raw_bcast_of_the_same_bytes():
+    s = summarize({**RAW, "engine_sync_s": [1.0, 0.5, 2.0], "raw_bcast_s": [0.4, 0.4, 0.4], "engines": 2},
+                  100.0, "local")
+    sync = s["engine_weight_sync"]
+    assert sync["MBps"] == 100.0 and sync["raw_bcast"]["MBps"] == 250.0
+    assert sync["ratio_MBps_over_raw_bcast"] == pytest.approx(0.4)
+    assert "engine_weight_sync" not in summarize(RAW, 100.0, "local")
+
+
 def test_summary_refuses_a_run_without_flips_both_ways():
     with pytest.raises(RuntimeError, match="0 train->rollout"):
         summarize({**RAW, "flips": RAW["flips"][:3]}, 100.0, "local")
@@ -53,6 +62,9 @@ def test_bench_switch_cli_prints_json_with_baseline_and_ratio(tmp_path):
     assert out["rollout_to_train_s"]["median"] > 0 and out["baseline"]["MBps"] > 0
     assert out["ratio"]["transfer_MBps_over_baseline_MBps"] == pytest.approx(
         out["weight_transfer_MBps"]["median"] / out["baseline"]["MBps"])
+    sync = out["engine_weight_sync"]
+    assert sync["MBps"] > 0 and sync["ratio_MBps_over_raw_bcast"] == pytest.approx(
+        sync["MBps"] / sync["raw_bcast"]["MBps"])
 
 
 @pytest.mark.slurm

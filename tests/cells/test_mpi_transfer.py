@@ -61,3 +61,14 @@ def test_gradient_allreduce_is_the_weighted_mean_of_per_rank_gradients(tmp_path)
         for e in r["errors"]:
             assert e["kept_dtype"], e
             assert e["max_err"] <= e["tol"], e
+
+
+@pytest.mark.slow   # 2 x 2.1 GiB in memory, ~10 s of copying on a loaded box
+def test_engine_weight_channel_moves_a_state_dict_over_2_gib_in_place(tmp_path):
+    out = tmp_path / "out.json"
+    ok(mpiexec(2, [str(RANKS / "weights_channel_big.py"), str(out), "2.1"], timeout=300))
+    got = json.loads(out.read_text())
+    assert got["big_bytes"] > 2 ** 31                  # one tensor alone is past the MPI count limit
+    assert got["bytes"] == got["big_bytes"] + 4000 + 8
+    assert got["chunks"] >= 3                           # cut into 1 GiB pieces, below the limit
+    assert got["in_place"] and got["checksum_equal"]

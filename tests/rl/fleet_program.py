@@ -13,11 +13,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import dataclasses  # noqa: E402
+import time  # noqa: E402
+
+from gyre_hpc.cells.fleet import guard_world, run_fleet  # noqa: E402
 from gyre_hpc.config import load_config  # noqa: E402
-from gyre_hpc.rl.fleet import RLFleetOptions, main_guarded  # noqa: E402
+from gyre_hpc.rl.fleet import RLFleetOptions, fleet_options, main_guarded, rl_workload  # noqa: E402
+from gyre_hpc.rl.rank import RLRankHandler  # noqa: E402
 from gyre_hpc.rundir.layout import RunDir  # noqa: E402
 from gyre_hpc.sched.registry import policy_from_config  # noqa: E402
 from gyre_hpc.sched.state import CellKind, ClusterState, Role, RoleChange  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 
 class ReleaseWhileDecoding:
@@ -38,13 +44,38 @@ class ReleaseWhileDecoding:
         return self.inner(state)
 
 
+class StallingHandler(RLRankHandler):
+    """Rank 1 (the core replica) takes its first micro-batch and never answers: alive, silent."""
+
+    def train(self, cell_rank, mb):
+        if cell_rank.rank == 1:
+            time.sleep(300)
+        return super().train(cell_rank, mb)
+
+
+def stalling_fleet(run_dir: str, reply_timeout_s: float) -> int:
+    wl = rl_workload()
+
+    def handler(fs, cell_rank):
+        h = wl.rank_handler(fs, cell_rank)
+        return StallingHandler(h.trainer, h.engine, h.engine_comm, h.micro_batches)
+
+    options = fleet_options(RLFleetOptions(reply_timeout_s=reply_timeout_s))
+    options = dataclasses.replace(options, workload=dataclasses.replace(wl, rank_handler=handler))
+    return guard_world(lambda: run_fleet(run_dir, options), "rl fleet", MPI.COMM_WORLD)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--policy", choices=["config", "migrate"], default="config")
     parser.add_argument("--verify", action="store_true")
     parser.add_argument("--result", default=None, help="rank 0 writes the fleet result here (JSON)")
+    parser.add_argument("--stall-timeout", type=float, default=None,
+                        help="rank 1 never answers its first micro-batch; the controller's reply timeout (s)")
     args = parser.parse_args()
+    if args.stall_timeout is not None:
+        return stalling_fleet(args.run_dir, args.stall_timeout)
     cfg = load_config(RunDir.at(args.run_dir).config)
     policy = None
     if args.policy == "migrate":

@@ -10,13 +10,12 @@ import pytest
 
 from tests.rl.rl_helpers import REPO, mpi_env
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-
-
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_bench_e2e_reports_each_policy_the_speedup_and_the_forecast(tmp_path):
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
     proc = subprocess.run([gyre, "bench", "e2e", "--json", "--steps", "2", "--policies", "elastic,async",
-                           "--launcher", "local", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO,
+                           "--repeats", "1", "--launcher", "local", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -26,15 +25,26 @@ def test_bench_e2e_reports_each_policy_the_speedup_and_the_forecast(tmp_path):
         assert len(p["step_s"]) == 2 and all(s > 0 for s in p["step_s"])
         assert abs(sum(p["busy"].values()) - 1.0) < 5e-3, p["busy"]   # fractions rounded to 3 places
         assert p["restarts"] == 0
-        assert (tmp_path / name / "trees.zarr").is_dir()
+        assert (tmp_path / f"{name}-0" / "trees.zarr").is_dir()
+        assert p["repeats"]["steady_step_s"] == [p["steady_step_s"]]
     assert out["policies"]["async"]["flips"] == 0
     ratio = out["policies"]["async"]["steady_step_s"] / out["policies"]["elastic"]["steady_step_s"]
-    assert out["speedup"]["elastic_over_async"] == pytest.approx(ratio, rel=1e-2)
+    assert out["speedup"]["elastic_over_async"]["of_means"] == pytest.approx(ratio, rel=1e-2)
+    assert out["resources"]["cores"] >= 1
     sim = out["simulator"]
     assert set(sim["policies"]) == {"elastic", "async"}
     for p in sim["policies"].values():
         assert p["predicted_step_s"] > 0 and p["error"] == pytest.approx(
             abs(p["predicted_step_s"] - p["measured_step_s"]) / p["measured_step_s"], abs=2e-3)
+
+
+def test_repeat_spread_and_ratio_spread():
+    from gyre_hpc.bench.e2e import ratio_spread, spread
+
+    s = spread([2.0, 3.0, 4.0])
+    assert (s["mean"], s["min"], s["max"], s["spread"]) == (3.0, 2.0, 4.0, round(2 / 3, 3))
+    r = ratio_spread([4.0, 6.0], [2.0, 2.0])
+    assert (r["of_means"], r["min"], r["max"]) == (2.5, 2.0, 3.0)
 
 
 def test_bench_e2e_refuses_a_comparison_without_elastic():

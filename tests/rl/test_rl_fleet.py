@@ -43,6 +43,9 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     assert int(runs["migrations"].sum()) == result["migrations"]      # ...each run saw its own moves
     assert int(runs["restarts"].sum()) == 0                          # ...and none started over
     assert result["recomputed_prefill_tokens"] == 0                  # no moved sequence was re-prefilled
+    timeline = read_table(run.metrics, "timeline")
+    moves = [d for e, d in zip(timeline["event"], timeline["detail"]) if e == "migrate"]
+    assert sum(int(d.split()[0]) for d in moves) == result["migrations"]   # each drain is on the timeline
     # The joiner got weights AND optimizer moments: the flip moved the trainer's whole state
     # and every replica holds bit-identical state after each step's update.
     joined = [f for f in result["flips"] if f["to"] == "TRAIN"]
@@ -160,3 +163,33 @@ def test_stop_request_checkpoints_exits_75_and_the_next_start_finishes_the_run(t
     assert len(ids) == 4 * 8 and len(set(ids)) == len(ids)
     steps = read_table(run.metrics, "steps")["step"].tolist()
     assert sorted(steps) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow   # waits out a 20 s reply timeout
+def test_a_silent_replica_fails_the_rl_fleet_within_the_reply_timeout_naming_rank_and_message(tmp_path):
+    cfg = rl_config(tmp_path, train={"steps": 1})
+    run = write_run_dir(cfg)
+    n = 1 + cfg.cells.count * cfg.cells.ranks_per_cell
+    t0 = time.monotonic()
+    proc = subprocess.run(["mpiexec", "--oversubscribe", "-n", str(n), sys.executable,
+                           str(REPO / "tests/rl/fleet_program.py"), str(run.root), "--stall-timeout", "20"],
+                          capture_output=True, text=True, timeout=250, env=mpi_env(), cwd=REPO)
+    assert proc.returncode not in (0, 75)
+    assert "cell ranks [1] did not answer Train (step 1) within 20 s" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 200      # the stalled rank would have slept 300 s
+
+
+def test_async_rolls_out_the_next_step_while_this_one_trains_within_staleness_1(tmp_path):
+    cfg = rl_config(tmp_path, "scheduler.policy=async", train={"steps": 3})
+    proc, result = run_fleet(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = RunDir.at(cfg.run_dir)
+    runs = read_table(run.metrics, "runs")
+    steps = read_table(run.metrics, "steps")
+    # Runs of steps 2 and 3 were sampled with the weights one version behind their update,
+    # which happens only if they rolled out before the previous step's update reached the
+    # engines, i.e. while it trained (staleness 1, never more).
+    version = {int(s): int(v) for s, v in zip(steps["step"], steps["policy_version"])}
+    lag = [version[int(s)] - 1 - int(v) for s, v in zip(runs["step"], runs["policy_version"])]
+    assert max(lag) == 1 and min(lag) >= 0
+    assert sorted(set(int(s) for s, d in zip(runs["step"], lag) if d == 1)) == [2, 3]

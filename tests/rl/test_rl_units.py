@@ -3,6 +3,9 @@ the router-backed harness client under a drain, run sampling, progress reading."
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,13 +18,14 @@ from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import Task, TaskTest, load_suite
 from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.rl.batches import ReplicaSpeeds, group_micro_batches, pick_replica
-from gyre_hpc.rl.controller import sample_runs
+from gyre_hpc.rl.runs import sample_runs
 from gyre_hpc.rl.fleet import check_rl_config
-from gyre_hpc.rl.progress import read_progress
+from gyre_hpc.jobs.progress import read_progress
 from gyre_hpc.rl.router_client import RouterDriver
 from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer
 from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow, TimelineRow
 from gyre_hpc.trees.builder import build_tree
+from tests.rl.rl_helpers import REPO
 from gyre_hpc.trees.loss import StepWeights, packed_loss, run_targets, step_denominator
 from gyre_hpc.trees.packing import collate, pack
 from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_runs
@@ -182,7 +186,7 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
 
 
 def test_requests_wait_for_dispatch_then_spread_over_engines():
-    """The controller consults the policy between a burst of calls and their routing."""
+    """Calls wait in the queue until dispatch, which spreads a burst over the engines open then."""
     engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
     router = Router(InProcessEngines(engines), [0])
     driver = RouterDriver(router)
@@ -219,7 +223,7 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
     import dataclasses
     import json
 
-    from gyre_hpc.rl.controller import STEP_ROWS_FILE, restore_step_rows
+    from gyre_hpc.rl.driver import STEP_ROWS_FILE, restore_step_rows
 
     rows = [RunRow(time=1.0, step=3, run_id="s3", task_id="t", status="finished", reward=0.5),
             StepRow(step=3, time=1.0, wall_s=2.0, loss=0.25, reward_mean=0.5)]
@@ -235,7 +239,7 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
 
 
 def test_notebook_hint_names_the_notebooks_and_the_run(tmp_path):
-    from gyre_hpc.rl.progress import notebook_hint
+    from gyre_hpc.jobs.progress import notebook_hint
 
     assert notebook_hint(tmp_path / "runs" / "r", root=tmp_path / "none") is None
     (tmp_path / "analysis").mkdir()
@@ -277,3 +281,123 @@ def test_tool_latency_is_seeded_lognormal_and_only_between_calls(tmp_path):
     # two waits (after calls 1 and 2), none after the last call
     assert run.added_s == pytest.approx(latency_s(5, 1, 0.05, 0.6) + latency_s(5, 2, 0.05, 0.6))
     assert time.monotonic() - t0 >= run.added_s
+
+
+def test_demand_clock_counts_only_sustained_demand_over_capacity():
+    from gyre_hpc.rl.policy_inputs import DemandClock
+
+    clock = DemandClock(per_engine=4)
+    assert clock.update(10.0, queued=0, inflight=8, engines=2) == 0.0       # fits exactly
+    assert clock.update(11.0, queued=1, inflight=8, engines=2) == 0.0       # starts now
+    assert clock.update(13.5, queued=0, inflight=9, engines=2) == 2.5       # still over
+    assert clock.update(14.0, queued=0, inflight=5, engines=2) == 0.0       # fits: reset
+    assert clock.update(15.0, queued=0, inflight=9, engines=2) == 0.0
+    assert clock.update(15.0, queued=1, inflight=0, engines=0) == 0.0 and clock.update(16.0, 1, 0, 0) == 1.0
+
+
+def test_tail_runs_are_the_longest_open_quarter():
+    from gyre_hpc.rl.policy_inputs import run_of_request, tail_runs
+
+    started = {f"s00001-t0-g{i}": float(i) for i in range(8)}
+    assert tail_runs(started, {"s00001-t0-g0": None}) == {"s00001-t0-g1", "s00001-t0-g2"}
+    assert tail_runs(started, set(started)) == set()
+    assert tail_runs({"a": 1.0}, set()) == {"a"}
+    assert run_of_request("s00001-t0-g3-17") == "s00001-t0-g3"
+
+
+WRITER = """
+import sys
+from gyre_hpc.trees.builder import build_tree
+from gyre_hpc.trees.store import TreeStore
+from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_runs
+cfg = SyntheticConfig()
+with TreeStore.open(sys.argv[1], "a") as store:
+    for seed in (1, 2):   # two commits: one advantage group each
+        store.append([build_tree(r.journal, run_id=f"s{seed}-{r.run_id}", task_id=r.task_id, reward=r.reward)
+                      for r in synthetic_runs(n_tasks=1, runs_per_task=3, cfg=cfg, seed=seed)])
+"""
+
+
+@pytest.mark.slow   # a writer process (imports torch, zarr) and two groups packed twice
+def test_replicas_train_trees_another_process_committed_byte_equal_to_the_store(tmp_path):
+    """The trainer's input comes from trees.zarr by index: what another writer committed."""
+    from gyre_hpc.rl.batches import StoreMicroBatches, group_refs
+    from gyre_hpc.trees.store import TreeStore
+
+    path = tmp_path / "trees.zarr"
+    subprocess.run([sys.executable, "-c", WRITER, str(path)], check=True, timeout=120,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    reader = StoreMicroBatches(path, row_tokens=8192, micro_batch_tokens=16384)
+    with TreeStore.open(path, "r") as store:
+        for group in (range(0, 3), range(3, 6)):
+            trees = [store.read(i) for i in group]
+            expected = group_micro_batches(trees, 1, 10, 8192, 16384)
+            got = [reader.get(ref) for ref in group_refs(list(group), expected)]
+            assert [m.mb_id for m in got] == [m.mb_id for m in expected]
+            for g, e in zip(got, expected):
+                assert len(g.rows) == len(e.rows)
+                for gr, er in zip(g.rows, e.rows):
+                    for name in ("input_ids", "position_ids", "subtree_end", "pred_index", "loss_mask",
+                                 "behaviour_logprobs", "run_index"):
+                        assert getattr(gr, name).tobytes() == getattr(er, name).tobytes(), name
+                np.testing.assert_array_equal(g.advantages, e.advantages)
+            # ...and they are the store's bytes: every trained token and its behaviour logprob.
+            want = np.concatenate([t.logprobs[t.trained] for t in trees])
+            seen = np.concatenate([r.behaviour_logprobs[r.loss_mask] for m in got for r in m.rows])
+            assert sorted(want.tobytes()[i:i + 4] for i in range(0, want.nbytes, 4)) == \
+                sorted(seen.astype(want.dtype).tobytes()[i:i + 4] for i in range(0, seen.nbytes, 4))
+    with pytest.raises(RuntimeError, match="past the commit marker"):
+        reader.get(group_refs([6, 7], expected)[0])
+    reader.close()
+
+
+def test_replica_packs_store_trees_with_the_controllers_target_and_averaging_settings(tmp_path):
+    """``StoreMicroBatches.of(train)`` cuts a group as the controller did under non-default
+    ``shared_targets``/``averaging``/``group_forest``; with the defaults the packing differs."""
+    from gyre_hpc.rl.batches import StoreMicroBatches, group_refs
+    from gyre_hpc.trees.store import TreeStore
+
+    trees = [t for t in _trees(n_tasks=1, g=3)]
+    path = tmp_path / "trees.zarr"
+    with TreeStore.open(path, "a") as store:
+        indices = list(store.append(trees))
+    with TreeStore.open(path, "r") as store:
+        stored = [store.read(i) for i in indices]
+    train = _cfg(shared_targets="once", averaging="global", group_forest=False).train
+    expected = group_micro_batches(stored, 1, 0, 128, 200, "once", "global", False)
+    default = group_micro_batches(stored, 1, 0, 128, 200)
+    assert sum(m.tokens for m in expected) != sum(m.tokens for m in default)   # the settings matter here
+    reader = StoreMicroBatches.of(path, train)
+    got = [reader.get(ref) for ref in group_refs(indices, expected)]
+    reader.close()
+    assert [m.mb_id for m in got] == [m.mb_id for m in expected]
+    for g, e in zip(got, expected):
+        assert g.averaging == "global" and len(g.rows) == len(e.rows)
+        np.testing.assert_array_equal(g.run_tokens, e.run_tokens)
+        for gr, er in zip(g.rows, e.rows):
+            assert gr.input_ids.tobytes() == er.input_ids.tobytes()
+            assert gr.loss_mask.tobytes() == er.loss_mask.tobytes()
+
+
+def test_rank_handler_reloads_an_engine_with_its_own_weights_and_only_versions_a_shared_one(tmp_path):
+    """After an update, an engine decoding with the trainer's tensors only learns the version;
+    one holding its own copy (as VLLMEngine does) gets the trainer's new tensors loaded."""
+    from mpi4py import MPI
+
+    from gyre_hpc.engines.torch_engine import TorchEngine
+    from gyre_hpc.rl.batches import StoreMicroBatches
+    from gyre_hpc.rl.rank import RLRankHandler
+
+    trainer = RLTrainer(_cfg(), build_model("tiny", seed=3))
+    reader = StoreMicroBatches.of(tmp_path / "trees.zarr", trainer.cfg.train)
+    shared = TorchEngine(trainer.model, name="shared")
+    own = TorchEngine(build_model("tiny", seed=4), name="own")
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    for engine in (shared, own):
+        RLRankHandler(trainer, engine, MPI.COMM_SELF, reader).adopt(7)
+        assert engine.policy_version == 7
+    assert own.model is not trainer.model
+    for key, t in trainer.model_state().items():
+        torch.testing.assert_close(own.model.state_dict()[key], t, rtol=0, atol=0)

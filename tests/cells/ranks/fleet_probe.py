@@ -19,7 +19,9 @@ prepare_rank_env()   # before MPI starts, like the real entry point
 from mpi4py import MPI  # noqa: E402
 
 from gyre_hpc.cells.controller import FleetResult
-from gyre_hpc.cells.fleet import FleetOptions, exit_rank, main_guarded, run_fleet
+import dataclasses as dc  # noqa: E402
+
+from gyre_hpc.cells.fleet import SUBSTRATE, FleetOptions, exit_rank, main_guarded, run_fleet
 from gyre_hpc.cells.workload import SubstrateWorkload
 from gyre_hpc.sched.state import Role, RoleChange
 
@@ -82,9 +84,9 @@ options = {
     "scripted": FleetOptions(verify_weights=True, chunk_bytes=chunk_bytes),
     "midstep": FleetOptions(verify_weights=True, policy=midstep_policy(), chunk_bytes=chunk_bytes),
     "never": FleetOptions(verify_weights=True, policy=lambda state: [], chunk_bytes=chunk_bytes),
-    "fail": FleetOptions(workload=FailingWorkload),
-    "exit": FleetOptions(workload=ExitRequestingWorkload, verify_weights=True),
-    "stall": FleetOptions(workload=StallingWorkload, reply_timeout_s=8.0),
+    "fail": FleetOptions(workload=dc.replace(SUBSTRATE, rank_workload=FailingWorkload)),
+    "exit": FleetOptions(workload=dc.replace(SUBSTRATE, rank_workload=ExitRequestingWorkload), verify_weights=True),
+    "stall": FleetOptions(workload=dc.replace(SUBSTRATE, rank_workload=StallingWorkload), reply_timeout_s=8.0),
 }[mode]
 
 if mode in ("fail", "exit", "stall"):

@@ -1,6 +1,10 @@
-"""Rank 0 of the RL fleet: harness runs, routing, trees, streaming training, flips, checkpoints.
+"""The RL workload's step driver on rank 0: harness runs, routing, trees, streaming training.
 
-One asyncio loop on one thread does everything that touches MPI on this rank. Each agent
+It drives each step through the one fleet controller (``cells.controller.Controller``):
+every command goes out with ``send``/``broadcast`` and every reply comes back through
+``poll_replies``/``collect``, so a silent replica fails the fleet within the reply timeout,
+naming the rank and the command it owed. Flips, checkpoints and the stop are the
+controller's. One asyncio loop on one thread does everything that touches MPI on this rank. Each agent
 run is a task (``harness.loop.AgentRun``) whose model calls go through ``RouterDriver`` to
 the ROLLOUT engines; tools and checkers run in worker threads, so the loop keeps pumping
 (``_pump``): engine token streams, replicas' micro-batch reports, policy decisions, and
@@ -15,7 +19,7 @@ dealing micro-batches. A step:
 3. every ``scheduler.interval_s`` the policy sees a ClusterState built from live counters
    and may flip cells. ROLLOUT -> TRAIN first drains the engine through the router (in-flight
    sequences move with their KV cache and continue on the remaining engines), then all ranks
-   meet in ``cells.controller.Controller.flip`` (re-derived train_comm; weights AND optimizer
+   meet in ``Controller.flip`` (re-derived train_comm; weights AND optimizer
    state from the core cell). A replica that leaves TRAIN mid-step hands its micro-batches
    back; the others redo them;
 4. once every run is done and every micro-batch trained: allreduce, optimizer step (version
@@ -30,34 +34,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
-from gyre_hpc.cells import checkpoint, protocol
-from gyre_hpc.cells.controller import CHECKPOINT_AND_EXIT, EXIT_CHECKPOINTED, EXIT_DONE, Controller, FlipRecord
-from gyre_hpc.engines.mpi_engines import MPIEngines
+from gyre_hpc.cells.controller import Controller, FlipRecord
 from gyre_hpc.cells.plan import Cell, core_cell, train_ranks
+from gyre_hpc.engines.mpi_engines import MPIEngines
 from gyre_hpc.engines.router import Router
-from gyre_hpc.config import RunConfig
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
-from gyre_hpc.harness.tasks import Task
 from gyre_hpc.rl import messages
-from gyre_hpc.rl.tasks import load_tasks
+from gyre_hpc.rl.batches import MicroBatchRef, ReplicaSpeeds, admit_group, group_micro_batches, group_refs, pick_replica
 from gyre_hpc.rl.latency import LatencyAgentRun
-from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, pick_replica
+from gyre_hpc.rl.policy_inputs import DemandClock, run_of_request, tail_runs
 from gyre_hpc.rl.router_client import CountingRunClient, RouterDriver
-from gyre_hpc.rl.trainer import MicroBatch, policy_tokenizer
-from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import EngineRow, MetricsWriter, RunRow, StepRow
-from gyre_hpc.sched.staleness import staleness_bound
-from gyre_hpc.sched.state import CellState, ClusterState, Policy, Role, RoleChange
+from gyre_hpc.rl.runs import RunSpec, sample_runs
+from gyre_hpc.rl.tasks import load_tasks
+from gyre_hpc.rl.trainer import policy_tokenizer
+from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow, TimelineRow
+from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
+from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 from gyre_hpc.trees.builder import build_tree
 from gyre_hpc.trees.loss import run_targets, step_denominator
 from gyre_hpc.trees.model import Tree
@@ -87,8 +88,8 @@ class CountingEngines(MPIEngines):
     """MPIEngines that also counts each engine's decoded tokens (its measured throughput)
     and can pause an engine's serve loop so its rank can join a world-wide collective."""
 
-    def __init__(self, comm, ranks, poll_timeout_s: float = 0.0):
-        super().__init__(comm, ranks, poll_timeout_s)
+    def __init__(self, comm, ranks, poll_timeout_s: float = 0.0, reply_timeout_s: float = 600.0):
+        super().__init__(comm, ranks, poll_timeout_s, reply_timeout_s)
         self.tokens = {e: 0 for e in self.ranks}
 
     def poll(self):
@@ -102,37 +103,6 @@ class CountingEngines(MPIEngines):
         return {e: self.call(e, "stop") for e in engines}
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    step: int
-    group: int          # task slot k in the step: the advantage group
-    index: int          # g within the group
-    task: Task
-    seed: int
-
-    @property
-    def run_id(self) -> str:
-        return f"s{self.step:05d}-t{self.group}-g{self.index}"
-
-
-def sample_runs(tasks: list[Task], cfg: RunConfig, step: int) -> list[RunSpec]:
-    """The runs of ``step``: ``tasks_per_step`` tasks (seeded by run seed and step), G runs each.
-
-    A pure function of (config, step), so a relaunched fleet asks for the very same runs
-    (same ids, same seeds) and finds their journals and stored trees.
-    """
-    rc = cfg.rollout
-    rng = np.random.default_rng([cfg.seed, step])
-    k = rc.tasks_per_step
-    picks = rng.permutation(len(tasks))[:k] if k <= len(tasks) else rng.integers(0, len(tasks), k)
-    specs = []
-    for slot, t in enumerate(picks):
-        for g in range(rc.runs_per_task):
-            digest = hashlib.blake2b(f"{cfg.seed}/{step}/{slot}/{g}".encode(), digest_size=8).digest()
-            specs.append(RunSpec(step, slot, g, tasks[int(t)], int.from_bytes(digest, "little") >> 1))
-    return specs
-
-
 @dataclass
 class RunOutcome:
     spec: RunSpec
@@ -142,6 +112,7 @@ class RunOutcome:
     calls: int = 0
     model_s: float = 0.0
     from_store: bool = False
+    store_index: int = -1
 
 
 @dataclass
@@ -149,9 +120,9 @@ class StepState:
     step: int
     specs: list[RunSpec]
     outcomes: dict[str, RunOutcome] = field(default_factory=dict)
-    pending: list[MicroBatch] = field(default_factory=list)
-    outstanding: dict[int, list[MicroBatch]] = field(default_factory=dict)   # rank -> sent, unreported
-    done_by: dict[int, list[MicroBatch]] = field(default_factory=dict)       # rank -> trained this step
+    pending: list[MicroBatchRef] = field(default_factory=list)
+    outstanding: dict[int, list[MicroBatchRef]] = field(default_factory=dict)   # rank -> sent, unreported
+    done_by: dict[int, list[MicroBatchRef]] = field(default_factory=dict)       # rank -> trained this step
     losses: dict[int, float] = field(default_factory=dict)                   # mb id -> loss
     trained_tokens: int = 0
     next_mb: int = 0
@@ -159,6 +130,12 @@ class StepState:
     groups_changed: bool = False
     start_version: int = 0      # the trainer's newest version when the step's rollouts began
     flips: list[FlipRecord] = field(default_factory=list)
+    migrations: list[tuple[int, int, int, float]] = field(default_factory=list)  # (cell, requests, bytes, s)
+    run_started: dict[str, float] = field(default_factory=dict)   # run id -> monotonic start
+    # False while the step's runs roll out ahead of it (async: during the previous step's
+    # training); its finished groups wait in ``held`` so the store stays in step order.
+    active: bool = True
+    held: list[list[RunOutcome]] = field(default_factory=list)
 
     @property
     def runs_done(self) -> bool:
@@ -187,42 +164,26 @@ class RLStepRecord:
     flips: int
     optimizer_s: float = 0.0      # allreduce + optimizer step, as the controller waited for it
     weight_sync_s: float = 0.0    # new weights into every serving engine
+    weight_sync_bytes: int = 0    # bytes each engine received
     checksums: dict[int, str] | None = None
 
 
-@dataclass
-class RLFleetResult:
-    exit_code: int
-    first_step: int
-    last_completed: int
-    steps: list[RLStepRecord] = field(default_factory=list)
-    flips: list[FlipRecord] = field(default_factory=list)
-    migrations: int = 0
-    recomputed_prefill_tokens: int = 0
-
-
-class RLController:
-    def __init__(self, world: MPI.Intracomm, engine_comm: MPI.Intracomm, cfg: RunConfig, run: RunDir,
-                 cells: tuple[Cell, ...], policy: Policy, metrics: MetricsWriter, store: TreeStore,
-                 start_step: int, policy_version: int, trained_upto: int, verify_weights: bool = False):
-        self.world, self.cfg, self.run, self.metrics, self.store = world, cfg, run, metrics, store
-        self.fleet = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
-                                start_step=start_step, policy_version=policy_version, verify_weights=verify_weights)
-        self.policy = policy
-        self.start_step = start_step
-        self.policy_version = policy_version
+class RLStepDriver:
+    def __init__(self, fleet: Controller, engine_comm, store: TreeStore, trained_upto: int, max_batch: int = 64):
+        self.fleet = fleet
+        self.max_batch = max_batch
+        self.cfg, self.run, self.metrics, self.store = fleet.cfg, fleet.run, fleet.metrics, store
         self.trained_upto = trained_upto
-        self.verify_weights = verify_weights
-        self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in cells})
-        self.router = Router(self.transport, [c.id for c in cells if c.role is Role.ROLLOUT])
-        self.driver = RouterDriver(self.router, temperature=cfg.rollout.temperature)
-        self.tasks = load_tasks(cfg.rollout.tasks)
-        self.harness_cfg = HarnessConfig.from_rollout(cfg.rollout)
-        self.tokenizer = policy_tokenizer(cfg)   # prompts in the policy's own chat template
+        self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in fleet.cells},
+                                         reply_timeout_s=fleet.reply_timeout_s)
+        self.router = Router(self.transport, [c.id for c in fleet.cells if c.role is Role.ROLLOUT])
+        self.driver = RouterDriver(self.router, temperature=self.cfg.rollout.temperature)
+        self.tasks = load_tasks(self.cfg.rollout.tasks)
+        self.harness_cfg = HarnessConfig.from_rollout(self.cfg.rollout)
+        self.tokenizer = policy_tokenizer(self.cfg)   # prompts in the policy's own chat template
         self.speeds = ReplicaSpeeds()
         self.serving: set[int] = set()
         self.engine_counters: dict[int, object] = {}   # engine -> counters at its last pause
-        self.result = RLFleetResult(exit_code=-1, first_step=start_step, last_completed=start_step - 1)
         self.switch_s = {Role.TRAIN: None, Role.ROLLOUT: None}   # measured flip costs by target role
         self._engine_mark = (time.monotonic(), dict(self.transport.tokens))
         self._engine_rate: dict[int, float] = {}
@@ -230,37 +191,55 @@ class RLController:
         self._inflight_integral: dict[int, float] = {}   # engine -> sum of requests held x seconds
         self._last_pump = time.monotonic()
         self._step_rows: list = []      # the last completed step's metrics rows, written after its checkpoint
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.demand = DemandClock(self.engine_capacity_requests())
+        self._next: tuple[StepState, list[asyncio.Task]] | None = None   # the next step, rolling out ahead
+
+    @property
+    def policy_version(self) -> int:
+        return self.fleet.policy_version
+
+    @property
+    def result(self):
+        return self.fleet.result
 
     @property
     def cells(self) -> tuple[Cell, ...]:
         return self.fleet.cells
 
     def cell(self, cid: int) -> Cell:
-        return next(c for c in self.cells if c.id == cid)
+        return self.fleet.cell(cid)
 
     # ---- engines: serve / pause ----------------------------------------------------------
     def resume_engines(self) -> None:
-        for c in self.cells:
-            if c.role is Role.ROLLOUT and c.id not in self.serving:
-                self.world.send(messages.Serve(self.policy_version), dest=c.leader, tag=protocol.TAG_COMMAND)
-                self.transport.resume(c.id)
-                self.serving.add(c.id)
+        opening = [c for c in self.cells if c.role is Role.ROLLOUT and c.id not in self.serving]
+        for c in opening:
+            self.fleet.send(c.leader, messages.Serve(self.policy_version))
+        self.fleet.collect([c.leader for c in opening])     # each acks, then serves its engine
+        for c in opening:
+            self.transport.resume(c.id)
+            self.serving.add(c.id)
 
-    def pause_engines(self) -> None:
-        self.engine_counters.update(self.transport.pause(sorted(self.serving)))
-        self.serving.clear()
+    def pause_engines(self, engines: list[int] | None = None) -> None:
+        """Stop these engines' serve loops (default: all serving) so their ranks take fleet commands."""
+        engines = sorted(self.serving if engines is None else engines)
+        self.engine_counters.update(self.transport.pause(engines))
+        self.serving -= set(engines)
 
     # ---- the run of one step -------------------------------------------------------------
     def sample_runs(self, step: int) -> list[RunSpec]:
         return sample_runs(self.tasks, self.cfg, step)
 
-    def stored_trees(self, step: int) -> dict[str, Tree]:
-        """Trees of ``step`` committed after the last checkpoint (a kill came before training them)."""
+    def stored_trees(self, step: int) -> dict[str, tuple[int, Tree]]:
+        """Trees of ``step`` committed after the last checkpoint (a kill came before training
+        them), with their store indices."""
         prefix = f"s{step:05d}-"
         ids = self.store.run_ids()
-        return {rid: self.store.read(i) for i, rid in enumerate(ids) if i >= self.trained_upto and rid.startswith(prefix)}
+        return {rid: (i, self.store.read(i)) for i, rid in enumerate(ids)
+                if i >= self.trained_upto and rid.startswith(prefix)}
 
     async def _agent(self, spec: RunSpec, st: StepState) -> None:
+        st.run_started[spec.run_id] = time.monotonic()
         client: CountingRunClient = self.driver.client(spec.run_id, spec.seed)
         args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.journal",
                 self.harness_cfg)
@@ -286,18 +265,28 @@ class RLController:
             return
         st.groups_done.add(group)
         outs = [st.outcomes[s.run_id] for s in members]
+        if not st.active:
+            st.held.append(outs)    # rolled out ahead (async): committed once its step is the current one
+            return
+        self._commit_group(st, outs)
+
+    def _commit_group(self, st: StepState, outs: list[RunOutcome]) -> None:
+        """Admit, append to the store (one commit), cut into micro-batches for the replicas."""
         if all(o.from_store for o in outs):
             trees = [o.tree for o in outs]
+            indices = [o.store_index for o in outs]
         else:
             trees = admit_group([o.tree for o in outs], self.cfg.train.max_paths_per_run)
-            self.store.append(trees)
+            indices = list(self.store.append(trees))
             for o, t in zip(outs, trees):
                 o.tree = t
+        # Packed here only for the token counts that dealing needs; replicas read the trees
+        # from the store by these indices and pack them the same way (pure function).
         tc = self.cfg.train
         mbs = group_micro_batches(trees, st.step, st.next_mb, tc.row_tokens, tc.micro_batch_tokens,
                                   tc.shared_targets, tc.averaging, tc.group_forest)
         st.next_mb += len(mbs)
-        st.pending.extend(mbs)
+        st.pending.extend(group_refs(indices, mbs))
         st.groups_changed = True
 
     # ---- replicas ------------------------------------------------------------------------
@@ -311,49 +300,69 @@ class RLController:
             mb = st.pending.pop(0)
             rank = pick_replica(free, held, self.speeds, mb.tokens)
             st.outstanding.setdefault(rank, []).append(mb)
-            self.world.send(messages.Train(mb), dest=rank, tag=protocol.TAG_COMMAND)
+            self.fleet.send(rank, messages.Train(mb))    # a MicroBatchRef: indices, not trees
 
     def _poll_train(self, st: StepState, block: bool = False) -> None:
-        status = MPI.Status()
+        """Take the replicas' micro-batch reports; ``block``: until none is outstanding."""
         while any(st.outstanding.values()):
-            if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
-                if not block:
-                    return
+            replies = self.fleet.poll_replies()
+            for rank, rep in replies:
+                if not isinstance(rep, messages.TrainReport):
+                    raise RuntimeError(f"controller expected a TrainReport, got {type(rep).__name__} from rank {rank}")
+                held = st.outstanding[rep.rank]
+                mb = next(m for m in held if m.mb_id == rep.mb_id)
+                held.remove(mb)
+                st.done_by.setdefault(rep.rank, []).append(mb)
+                st.losses[mb.mb_id] = rep.loss
+                self.speeds.record(rep.rank, rep.tokens, rep.seconds)
+                self._trained_in_window[rep.rank] = self._trained_in_window.get(rep.rank, 0) + rep.tokens
+            if not block:
+                return
+            if not replies:
                 time.sleep(0.0005)
-                continue
-            rep = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)
-            if not isinstance(rep, messages.TrainReport):
-                raise RuntimeError(f"controller expected a TrainReport, got {type(rep).__name__} from rank "
-                                   f"{status.Get_source()}")
-            held = st.outstanding[rep.rank]
-            mb = next(m for m in held if m.mb_id == rep.mb_id)
-            held.remove(mb)
-            st.done_by.setdefault(rep.rank, []).append(mb)
-            st.losses[mb.mb_id] = rep.loss
-            self.speeds.record(rep.rank, rep.tokens, rep.seconds)
-            self._trained_in_window[rep.rank] = self._trained_in_window.get(rep.rank, 0) + rep.tokens
 
     # ---- policy --------------------------------------------------------------------------
+    def engine_capacity_requests(self) -> int:
+        """Requests one engine holds at the target occupancy: the policy's own target when it
+        has one (elastic), else the engine's continuous-batching width."""
+        params = getattr(self.fleet.policy, "params", None)
+        return int(getattr(params, "target_requests_per_engine", 0) or self.max_batch)
+
     def cluster_state(self, st: StepState) -> ClusterState:
         self._sample_cells(st)
         inflight = self.router.inflight()
-        not_prefilled = sum(1 for rid in inflight if rid not in self.driver.started)
-        queued = len(self.driver.queue) + not_prefilled
+        queued = len(self.driver.queue)
+        tail = tail_runs(st.run_started, st.outcomes)
+        serving = [c for c in self.cells if c.role is Role.ROLLOUT and c.id in self.router.engines]
+        # Cells that never trained (or never served) plan with what the others measured:
+        # the cells are alike, so the first micro-batch (engine window) is the prior.
+        measured_train = [r for r in self.speeds.rates.values() if r > 0]
+        measured_engine = [r for r in self._engine_rate.values() if r > 0]
+        train_prior = statistics.median(measured_train) if measured_train else 0.0
+        engine_prior = statistics.median(measured_engine) if measured_engine else 0.0
+
+        def tail_on(cid: int) -> int:
+            return sum(1 for rid in self.router.inflight(cid) if run_of_request(rid) in tail)
+
         cells = tuple(CellState(
             cell=c.id, kind=c.kind, role=c.role,
             inflight_requests=len(self.router.inflight(c.id)) if c.role is Role.ROLLOUT else 0,
             inflight_tokens=self.router.outstanding_tokens(c.id) if c.role is Role.ROLLOUT else 0,
-            rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0),
-            train_tokens_per_s=sum(self.speeds.rates.get(r, 0.0) for r in c.ranks)) for c in self.cells)
+            rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0) or engine_prior,
+            train_tokens_per_s=sum(self.speeds.rates.get(r, 0.0) for r in c.ranks) or train_prior * len(c.ranks),
+            tail_requests=tail_on(c.id) if c.role is Role.ROLLOUT else 0) for c in self.cells)
         extra = {}
         for role, key in ((Role.TRAIN, "rollout_to_train_s"), (Role.ROLLOUT, "train_to_rollout_s")):
             if self.switch_s[role] is not None:
                 extra[key] = self.switch_s[role]
         return ClusterState(time=time.time(), step=st.step, cells=cells, unfinished_runs=st.unfinished,
-                            queued_requests=queued, inflight_requests=len(inflight) - not_prefilled,
+                            queued_requests=queued, inflight_requests=len(inflight),
                             tokens_inflight=sum(self.router.outstanding_tokens(e) for e in self.router.engines),
                             train_backlog_tokens=st.backlog_tokens(), policy_version=self.policy_version,
-                            oldest_rollout_version=self.policy_version, **extra)
+                            oldest_rollout_version=self.policy_version,
+                            demand_over_capacity_s=self.demand.update(time.monotonic(), queued, len(inflight),
+                                                                      len(serving)),
+                            tail_runs=len(tail), **extra)
 
     def _sample_cells(self, st: StepState) -> None:
         """About once a second, one ``engines`` row per cell: an engine's decode tokens/s and
@@ -386,7 +395,13 @@ class RLController:
         self.metrics.append(rows)
 
     def consult(self, st: StepState) -> list[FlipRecord]:
-        changes = [ch for ch in self.policy(self.cluster_state(st)) if self.cell(ch.cell).role is not Role(ch.to)]
+        plans_from_rates = hasattr(getattr(self.fleet.policy, "params", None), "default_train_tokens_per_s")
+        if plans_from_rates and st.backlog_tokens() and not any(r > 0 for r in self.speeds.rates.values()):
+            # Trainable work waits but no replica has reported a micro-batch yet: a policy that
+            # plans from training rates (elastic) would rest on a made-up one. The first report
+            # comes within one micro-batch; from then on every cell plans with the measured rate.
+            return []
+        changes = self.fleet.decide(self.cluster_state(st))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.cells if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
         if leaving and not engines_after and (st.unfinished or self.router.unfinished()):
@@ -395,15 +410,36 @@ class RLController:
         return self.apply(st, changes) if changes else []
 
     def apply(self, st: StepState, changes: list[RoleChange]) -> list[FlipRecord]:
+        """Flip ``changes`` while everything else keeps working.
+
+        A released engine (ROLLOUT -> TRAIN) stops admitting, its in-flight sequences move
+        with their KV cache to the engines that stay (which keep decoding throughout: they
+        take no part in the flip), its serve loop pauses, and it joins the running step's
+        train_comm; the replicas finish the micro-batch in hand first (the Flip queues behind
+        it) and then take micro-batches alongside it. A reclaimed replica (TRAIN -> ROLLOUT)
+        hands in what it holds first: its gradients leave with it and the others redo them.
+        """
         t0 = time.perf_counter()
-        self._poll_train(st, block=True)          # replicas finish what they hold first
-        for ch in changes:
-            if Role(ch.to) is Role.TRAIN and ch.cell in self.router.engines:
-                mig = self.router.drain(ch.cell)
+        releasing = [ch.cell for ch in changes if Role(ch.to) is Role.TRAIN]
+        reclaiming = [ch.cell for ch in changes if Role(ch.to) is Role.ROLLOUT]
+        if reclaiming:
+            self._poll_train(st, block=True)
+        for cid in releasing:
+            if cid in self.router.engines:
+                mig = self.router.drain(cid)
                 self.result.migrations += len(mig.moved)
-        self.pause_engines()
+                st.migrations.append((cid, len(mig.moved), mig.bytes, mig.seconds))
+                if not (mig.moved or mig.gone):
+                    continue        # the engine held nothing: no migration to log
+                self.metrics.append([TimelineRow(
+                    time=time.time(), cell=cid, role=Role.ROLLOUT.value, event="migrate", step=st.step,
+                    duration_s=mig.seconds, bytes=mig.bytes,
+                    detail=f"{len(mig.moved)} in-flight requests moved with their KV cache to engines "
+                           f"{sorted(set(mig.moved.values()))}; {len(mig.gone)} finished first")])
+        self.pause_engines([cid for cid in releasing if cid in self.serving])
         before = {c.id: c.role for c in self.cells}
-        records = self.fleet.flip(st.step, len(st.flips), changes)
+        bystanders = frozenset(r for cid in self.serving for r in self.cell(cid).ranks)
+        records = self.fleet.flip(st.step, len(st.flips), changes, bystanders=bystanders)
         for c in self.cells:
             if before[c.id] is Role.TRAIN and c.role is not Role.TRAIN:
                 for r in c.ranks:   # its gradients were dropped in the flip: the others redo its share
@@ -418,20 +454,38 @@ class RLController:
         for r in records:
             self.switch_s[Role(r.to)] = took
         st.flips.extend(records)
-        self.result.flips.extend(records)
         return records
 
     # ---- the step ------------------------------------------------------------------------
-    async def run_step(self, step: int) -> RLStepRecord | None:
-        t0 = time.perf_counter()
-        st = StepState(step, self.sample_runs(step), start_version=self.policy_version)
+    def _start_runs(self, step: int, active: bool) -> tuple[StepState, list[asyncio.Task]]:
+        st = StepState(step, self.sample_runs(step), start_version=self.policy_version, active=active)
         stored = self.stored_trees(step)
         tasks = []
         for spec in st.specs:
             if spec.run_id in stored:
-                self._run_done(st, RunOutcome(spec, stored[spec.run_id], from_store=True))
+                index, tree = stored[spec.run_id]
+                self._run_done(st, RunOutcome(spec, tree, from_store=True, store_index=index))
             else:
                 tasks.append(asyncio.create_task(self._agent(spec, st)))
+        return st, tasks
+
+    def _may_roll_ahead(self, st: StepState) -> bool:
+        """Async: once this step's runs are all done, the next step's may start while this one
+        trains, if its data will be at most ``max_staleness`` versions old when trained."""
+        gate = staleness_bound(self.fleet.policy)
+        return (gate > 0 and self._next is None and st.runs_done and st.step < self.cfg.train.steps
+                and may_start_rollout(st.step, self.policy_version, gate))
+
+    async def run_step_async(self, step: int) -> RLStepRecord | None:
+        t0 = time.perf_counter()
+        if self._next is not None and self._next[0].step == step:
+            (st, tasks), self._next = self._next, None
+            st.active = True
+            for outs in st.held:
+                self._commit_group(st, outs)
+            st.held = []
+        else:
+            st, tasks = self._start_runs(step, active=True)
         interval = self.cfg.scheduler.interval_s
         next_consult = 0.0
         exit_at_step = False
@@ -439,27 +493,35 @@ class RLController:
             if st.groups_changed:
                 st.groups_changed = False
                 next_consult = 0.0     # a group became trainable: the backlog changed
-            for t in tasks:
-                if t.done() and t.exception() is not None:
+            for t in tasks + (self._next[1] if self._next else []):
+                if t.done() and not t.cancelled() and t.exception() is not None:
                     raise t.exception()
+            if self._may_roll_ahead(st):
+                self._next = self._start_runs(step + 1, active=False)
             events = self._pump()
             self._poll_train(st)
             now = time.monotonic()
-            # New calls are routed only after the policy has seen them queued: a burst (a
-            # batch starting) may bring engines back first, and the burst then spreads over them.
-            if now >= next_consult or self.driver.queue:
+            # The policy is asked AFTER dispatch: a call routed in this pass is in flight, not
+            # queued demand (asking before made every new call look like a reason to reclaim).
+            # New calls also trigger a consultation (a batch starting may need engines back),
+            # and with no engine open they stay queued: that is real demand.
+            arrived = bool(self.driver.queue)
+            if self.router.engines:
+                events += self.driver.dispatch()
+            if now >= next_consult or arrived:
                 self.consult(st)
                 next_consult = now + interval
-            events += self.driver.dispatch()
             self._deal(st)
             if self.fleet.exit_requested():
                 exit_at_step = True
                 break
             await asyncio.sleep(0 if events else 0.002)
         if exit_at_step:
-            for t in tasks:
+            ahead = self._next[1] if self._next else []
+            self._next = None
+            for t in tasks + ahead:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *ahead, return_exceptions=True)
             self._poll_train(st, block=True)
             return None
         await asyncio.gather(*tasks)
@@ -477,13 +539,13 @@ class RLController:
     def _finish(self, st: StepState, t0: float) -> RLStepRecord:
         outs = [st.outcomes[s.run_id] for s in st.specs]
         # Staleness: every sampled token must come from weights at most max_staleness
-        # versions behind the ones this update starts from (0 here: steps are sequential and
-        # engines get new weights before the next batch; checked, not assumed).
-        gate = staleness_bound(self.policy)
-        stale = [o.spec.run_id for o in outs if o.tree.n_paths and st.start_version - o.tree.policy_version > gate]
+        # versions behind the ones this update starts from (0 for on-policy schedules; 1 for
+        # async, whose runs rolled out while the previous step trained; checked, not assumed).
+        gate = staleness_bound(self.fleet.policy)
+        stale = [o.spec.run_id for o in outs if o.tree.n_paths and self.policy_version - o.tree.policy_version > gate]
         if stale:
             raise RuntimeError(f"step {st.step}: runs {stale[:5]} were sampled more than "
-                               f"scheduler.max_staleness={gate} versions behind version {st.start_version}")
+                               f"scheduler.max_staleness={gate} versions behind version {self.policy_version}")
         # The divisor of the summed gradient: runs with a target (train.averaging run) or the
         # step's targets (global); Finish carries it in n_runs.
         n_runs = step_denominator([run_targets(o.tree, self.cfg.train.shared_targets) for o in outs],
@@ -491,26 +553,22 @@ class RLController:
         ranks = train_ranks(self.cells)
         checksums = None
         optimizer_s = sync_s = 0.0
+        sync_bytes = 0
         if n_runs:
             t_opt = time.perf_counter()
             version = self.policy_version + 1
-            for r in ranks:
-                self.world.send(messages.Finish(st.step, n_runs, version, self.verify_weights), dest=r,
-                                tag=protocol.TAG_COMMAND)
-            reps = self._collect(ranks)
+            self.fleet.broadcast(messages.Finish(st.step, n_runs, version, self.fleet.verify_weights), ranks)
+            reps = self.fleet.collect(ranks)
             bad = [r for r, rep in reps.items() if int(round(rep.replicas)) != len(ranks)]
             if bad:
                 raise RuntimeError(f"step {st.step}: ranks {bad} reduced over a train_comm that is not the "
                                    f"{len(ranks)} TRAIN ranks {ranks}")
-            state = reps[core_cell(self.cells).leader].state
             t_sync = time.perf_counter()
             optimizer_s = t_sync - t_opt
-            for e in self.router.engines:
-                self.transport.call(e, "load_weights", (state, version))
+            sync_bytes = self.push_weights(st.step, version)
             sync_s = time.perf_counter() - t_sync
-            self.policy_version = version
             self.fleet.policy_version = version
-            if self.verify_weights:
+            if self.fleet.verify_weights:
                 checksums = {r: rep.checksum for r, rep in reps.items()}
         self.trained_upto = len(self.store)
         rewards = [o.tree.reward for o in outs]
@@ -521,6 +579,7 @@ class RLController:
                            train_cells=tuple(c.id for c in self.cells if c.role is Role.TRAIN), runs=len(outs),
                            migrations=sum(o.migrations for o in outs), restarts=sum(o.restarts for o in outs),
                            flips=len(st.flips), optimizer_s=optimizer_s, weight_sync_s=sync_s,
+                           weight_sync_bytes=sync_bytes,
                            checksums=checksums)
         now = time.time()
         self._step_rows = [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
@@ -533,78 +592,63 @@ class RLController:
                                        policy_version=self.policy_version))
         return rec
 
-    def _collect(self, ranks: list[int]) -> dict[int, object]:
-        got: dict[int, object] = {}
-        status = MPI.Status()
-        while len(got) < len(ranks):
-            if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_REPLY, status=status):
-                got[status.Get_source()] = self.world.recv(source=status.Get_source(), tag=protocol.TAG_REPLY)
-            else:
-                time.sleep(0.0005)
-        return got
+    def push_weights(self, step: int, version: int) -> int:
+        """The core leader broadcasts the new weights into every serving engine (one chunked
+        broadcast, in place, not through this rank); returns the bytes each received."""
+        engines = sorted(e for e in self.router.engines if e in self.serving)
+        if not engines:
+            return 0
+        members = (core_cell(self.cells).leader,) + tuple(self.cell(e).leader for e in engines)
+        core = members[0]
+        self.fleet.send(core, messages.PushWeights(step, version, members))
+        got = self.transport.call_many({e: ("recv_weights", (version, members)) for e in engines})
+        self.fleet.collect([core])
+        return int(next(iter(got.values()))["bytes"])
 
-    # ---- checkpoints and the whole run -----------------------------------------------------
-    def save_checkpoint(self, step: int) -> Path:
-        staging = checkpoint.staging_dir(self.run.checkpoints, step)
-        core = core_cell(self.cells).leader
-        extra = {"step": step, "policy_version": self.policy_version}
-        self.world.send(messages.SaveRL(str(staging), extra), dest=core, tag=protocol.TAG_COMMAND)
-        self._collect([core])
+    # ---- the fleet's hooks ---------------------------------------------------------------
+    def begin(self) -> None:
+        # Tools and checkers wait in worker threads (subprocesses, sleeps): one per run, so a
+        # run never queues behind another's tool call (the default pool has cores + 4).
+        runs = self.cfg.rollout.tasks_per_step * self.cfg.rollout.runs_per_task
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(ThreadPoolExecutor(max_workers=2 * runs + 4))
+        self.resume_engines()
+
+    def run_step(self, step: int) -> RLStepRecord | None:
+        rec = self._loop.run_until_complete(self.run_step_async(step))
+        if rec is not None:
+            print(f"[rl] step {step}/{self.cfg.train.steps} reward {rec.reward_mean:.3f} loss {rec.loss:.4f} "
+                  f"train cells {list(rec.train_cells)} flips {rec.flips} migrations {rec.migrations} "
+                  f"{rec.wall_s:.2f}s", flush=True)
+        return rec
+
+    def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
         rows = [r for r in self._step_rows if r.step == step]
         (staging / STEP_ROWS_FILE).write_text(json.dumps([[type(r).__name__, dataclasses.asdict(r)] for r in rows]))
-        meta = checkpoint.CheckpointMeta(step=step, policy_version=self.policy_version,
-                                         roles={str(c.id): c.role.value for c in self.cells},
-                                         files=list(OPTIMIZER_FILES) + [STEP_ROWS_FILE],
-                                         extra={"trees_committed": len(self.store), "trained_upto": self.trained_upto,
-                                                "workload": "rl"})
-        return checkpoint.commit(self.run.checkpoints, step, meta, keep=self.fleet.keep_checkpoints)
+        return (list(OPTIMIZER_FILES) + [STEP_ROWS_FILE],
+                {"trees_committed": len(self.store), "trained_upto": self.trained_upto, "workload": "rl"})
 
-    def stop(self, code: int) -> RLFleetResult:
+    def sealed(self, step: int) -> None:
+        pass
+
+    def step_done(self, step: int, checkpointed: bool) -> None:
+        # A step's rows are written once its checkpoint is committed, so a fleet killed in
+        # between redoes the step without a second row for it (the checkpoint carries the
+        # rows; a relaunch writes them if the kill came right after the commit).
+        self.metrics.append(self._step_rows)
+        self._step_rows = []
+
+    def before_stop(self) -> None:
+        if self._next is not None:      # runs rolled out ahead of a step that will not run now
+            ahead, self._next = self._next[1], None
+            for t in ahead:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*ahead, return_exceptions=True))
         self.pause_engines()
         # Prompt tokens prefilled more than once across engines: 0 unless a migrated
         # sequence was recomputed instead of continued from its KV cache.
         prefilled = sum(c.prefill_tokens for c in self.engine_counters.values())
         self.result.recomputed_prefill_tokens = prefilled - self.driver.prompt_tokens
-        for c in self.cells:
-            for r in c.ranks:
-                self.world.send(protocol.Stop(code), dest=r, tag=protocol.TAG_COMMAND)
-        self.result.exit_code = code
-        return self.result
-
-    async def serve_async(self) -> RLFleetResult:
-        steps = self.cfg.train.steps
-        # Tools and checkers wait in worker threads (subprocesses, sleeps): one per run, so a
-        # run never queues behind another's tool call (the default pool has cores + 4).
-        runs = self.cfg.rollout.tasks_per_step * self.cfg.rollout.runs_per_task
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * runs + 4))
-        self.resume_engines()
-        last_saved = self.start_step - 1
-        step = self.start_step
-        while step <= steps and not self.fleet.exit_requested():
-            rec = await self.run_step(step)
-            if rec is None:
-                break
-            self.result.steps.append(rec)
-            self.result.last_completed = step
-            print(f"[rl] step {step}/{steps} reward {rec.reward_mean:.3f} loss {rec.loss:.4f} "
-                  f"train cells {list(rec.train_cells)} flips {rec.flips} migrations {rec.migrations} "
-                  f"{rec.wall_s:.2f}s", flush=True)
-            if step % self.cfg.train.checkpoint_every == 0 or step == steps:
-                self.save_checkpoint(step)
-                last_saved = step
-            # A step's rows are written once its checkpoint is committed, so a fleet killed in
-            # between redoes the step without a second row for it (the checkpoint carries the
-            # rows; a relaunch writes them if the kill came right after the commit).
-            self.metrics.append(self._step_rows)
-            self._step_rows = []
-            step += 1
-        if self.result.last_completed >= steps:
-            return self.stop(EXIT_DONE)
-        if self.result.last_completed > last_saved:
-            self.save_checkpoint(self.result.last_completed)
-        print(f"[rl] {CHECKPOINT_AND_EXIT}: checkpointed step {self.result.last_completed}, exiting "
-              f"{EXIT_CHECKPOINTED}", flush=True)
-        return self.stop(EXIT_CHECKPOINTED)
-
-    def serve(self) -> RLFleetResult:
-        return asyncio.run(self.serve_async())
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
