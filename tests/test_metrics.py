@@ -33,3 +33,23 @@ def test_live_reader_sees_rows_while_writer_open(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "2"
     w.close()
+
+
+def test_writer_waits_for_a_reader_holding_the_file_lock(tmp_path):
+    """A reader (notebook, inspect, a polling test) that holds HDF5's lock when the head opens
+    the file for an event must delay the head, not crash it (seen: BlockingIOError errno 11)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "metrics.h5"
+    with MetricsWriter(path) as w:
+        w.event("start")
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time, h5py\n"
+                               "f = h5py.File(sys.argv[1], 'r')\nprint('held', flush=True)\ntime.sleep(1.5)\nf.close()\n",
+                               str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with MetricsWriter(path) as w:        # raises BlockingIOError without the wait
+        w.event("after")
+    holder.wait(10)
+    assert list(read_table(path, "events")["event"]) == ["start", "after"]

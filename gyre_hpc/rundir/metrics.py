@@ -119,6 +119,21 @@ class RowMirror(Protocol):
     def close(self) -> None: ...
 
 
+def _open_for_write(path: Path, wait_s: float = 30.0) -> h5py.File:
+    """Open for appending, waiting out readers: an SWMR reader (a notebook, ``inspect``, a
+    test polling) holds HDF5's file lock while it opens the file, and a writer arriving in that
+    moment gets EAGAIN; the head opens the file for each event, so without the wait a reader
+    could crash it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return h5py.File(path, "a", libver="latest")
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class MetricsWriter:
     """Single writer of ``metrics.h5``; appends rows and flushes so SWMR readers see them."""
 
@@ -126,7 +141,7 @@ class MetricsWriter:
         self.path = Path(path)
         self._mirror = mirror
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = h5py.File(self.path, "a", libver="latest")
+        self._f = _open_for_write(self.path)
         for table, cols in TABLES.items():
             grp = self._f.require_group(table)
             for col, dtype in cols:
