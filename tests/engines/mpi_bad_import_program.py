@@ -16,6 +16,8 @@ from gyre_hpc.engines.mpi_engines import MPIEngines, serve_engine
 from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.engines.router import Router
 
+from mpi_migration_program import HoldingEngine   # keeps "a" in flight until the drain
+
 
 def main() -> None:
     torch.set_num_threads(1)
@@ -25,7 +27,8 @@ def main() -> None:
     if rank == 0:
         transport = MPIEngines(comm, {1: 1, 2: 2})
         router = Router(transport, [1])        # route everything to engine 1 first
-        router.submit(Request("a", (257, 1, 2, 3), SamplingParams(max_new_tokens=200, temperature=0.0)))
+        router.submit(Request("a", (257, 1, 2, 3), SamplingParams(max_new_tokens=200, temperature=0.0,
+                                                                  stop_token_ids=())))
         while not router.poll():
             pass
         router.add_engine(2)
@@ -39,7 +42,8 @@ def main() -> None:
                   open(out_path, "w"))
     else:
         dtype = torch.float64 if rank == 2 else None
-        serve_engine(TorchEngine.from_pretrained(model_dir, dtype=dtype, name=f"rank{rank}"), comm, controller=0)
+        kind = HoldingEngine if rank == 1 else TorchEngine
+        serve_engine(kind.from_pretrained(model_dir, dtype=dtype, name=f"rank{rank}"), comm, controller=0)
     comm.Barrier()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 import traceback
 
 import torch
@@ -23,6 +24,26 @@ from gyre_hpc.engines.router import Router
 from gyre_hpc.models.checkpoint import load_pretrained
 
 MAX_NEW = 96
+HOLD_AT = 4
+
+
+class HoldingEngine(TorchEngine):
+    """Engine 1 of the test: stops decoding once its requests are ``HOLD_AT`` tokens in, until
+    the drain closes it. Without it a starved rank 0 (a loaded box) saw engine 1 decode all
+    ``MAX_NEW`` tokens before its close arrived, and the drain had nothing in flight to move."""
+
+    holding = True
+
+    def step(self):
+        if (self.holding and self._running and not self._queue and self._staging is None
+                and all(len(s.tokens) >= HOLD_AT for s in self._running)):
+            time.sleep(0.001)
+            return []
+        return super().step()
+
+    def close_admission(self) -> None:
+        self.holding = False
+        super().close_admission()
 
 
 def requests(prompts: list[list[int]]) -> list[Request]:
@@ -44,9 +65,9 @@ def controller(comm, prompts, out_path, other_dir) -> None:
     routed = {r.request_id: router.submit(r) for r in reqs}
     seen: dict[str, int] = {}
     # "Mid-decode": every request prefilled and a few tokens in, far from its budget.
-    # Engine 1 stops decoding (closed to admission) as soon as its own requests are a few
-    # tokens in, so they are still mid-decode when the drain comes, however unevenly a loaded
-    # machine schedules the two engine ranks.
+    # Engine 1 (a HoldingEngine) stops decoding at HOLD_AT tokens, and is closed to admission
+    # as soon as rank 0 sees its requests a few tokens in, so they are still mid-decode when
+    # the drain comes, however unevenly a loaded machine schedules the three ranks.
     on_one = [rid for rid, e in routed.items() if e == 1]
     held = False
     while len(seen) < len(reqs) or min(seen.values()) < 3:
@@ -101,7 +122,8 @@ def main() -> None:
     if comm.Get_rank() == 0:
         controller(comm, prompts, out_path, sys.argv[3])
     else:
-        engine = TorchEngine.from_pretrained(model_dir, name=f"rank{comm.Get_rank()}")
+        kind = HoldingEngine if comm.Get_rank() == 1 else TorchEngine
+        engine = kind.from_pretrained(model_dir, name=f"rank{comm.Get_rank()}")
         serve_engine(engine, comm, controller=0, chunk_bytes=4096)  # small chunks: a state crosses as many messages
         if comm.Get_rank() == 1:
             # The TRAIN phase would run here; the engine object (asleep, weights dropped) persists.
