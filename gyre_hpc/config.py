@@ -145,8 +145,8 @@ class WarmstartConfig(_Section):
     cache_dir: str = Field("runs/warmstart", description="where built checkpoints are cached")
     runs_per_task: int = Field(2, ge=1, description="teacher trajectories per task (different seeds)")
     teacher_give_up: float = Field(
-        0.0, ge=0, le=1, description="how often the teacher leaves a wrong first fix unfixed (then scores < 1): "
-                                     "a decision the warm start inherits and RL can improve")
+        0.0, ge=0, le=1, description="share of the teacher's runs that stop at the retry instead of delegating "
+                                     "(they score < 1): a decision the warm start inherits and RL can improve")
     steps: int = Field(900, ge=1, description="optimizer steps (one packed row each)")
     lr: float = Field(1e-2, gt=0)
     row_tokens: int = Field(2048, ge=16)

@@ -53,26 +53,24 @@ def main_plan(task: Task, playbook: Playbook, rng: random.Random, give_up: float
               give_up_rng: random.Random | None = None) -> list[Step]:
     """Explore, get the main fix wrong once, finish too early (the harness retries), delegate, finish.
 
-    With probability ``give_up`` the teacher leaves a wrong first attempt as it is (it moves on
-    after the failing test instead of re-reading and fixing the file): the run still delegates
-    and finishes, but scores only part of the tests. A warm start trained on such runs makes
-    that one decision (fix or move on, right after a failing test) at about that rate, which
-    is a choice the run's reward tells apart: the signal RL improves on. The choice is drawn
-    from ``give_up_rng`` (the caller seeds it per task, so one seed does not give up on every
-    task alike); the detours' stream ``rng`` is the same as without it."""
-    give_up_rng = give_up_rng or rng
+    With probability ``give_up`` the teacher gives up at the retry: it answers the harness's
+    "retry" with a second finish instead of delegating, so the run ends without the
+    sub-agent's module and scores only part of the tests. A warm start trained on such runs
+    makes that one decision (delegate or stop, right after the retry) at about that rate, and
+    the reward tells the two apart by the delegated module's tests: the signal RL improves
+    on. The choice is drawn from ``give_up_rng`` (the caller seeds it per task, so one seed
+    does not give up on every task alike); the detours' stream ``rng`` is the same as without it."""
     plan: list[Step] = [("list",), ("read", "README.md")]
     plan += [("read", path) for path in task.files if path != "README.md" and task.files[path]]
     for path, wrong, solution in playbook.fixes:
         if wrong is not None and rng.random() < 0.85:
-            plan += [("write", path, wrong), ("test",)]
-            if give_up and give_up_rng.random() < give_up:
-                continue
-            plan.append(("read", path))
+            plan += [("write", path, wrong), ("test",), ("read", path)]
         plan += [("write", path, solution), ("test",)]
     if rng.random() < 0.5:
         plan.append(("exec", "ls -R"))
     plan.append(("finish", "fixed " + ", ".join(p for p, _, _ in playbook.fixes)))
+    if give_up and (give_up_rng or rng).random() < give_up:
+        return plan + [("finish", "all tests pass")]
     plan += [("delegate", sub.request) for sub in playbook.subtasks]
     plan += [("test",), ("finish", "all tests pass")]
     return plan

@@ -38,7 +38,7 @@ class TeacherRuns:
 
 
 def gives_up(g: int, rate: float) -> float:
-    """Whether teacher run ``g`` of a task leaves its wrong fix (1.0) or not (0.0): a share
+    """Whether teacher run ``g`` of a task gives up at the retry (1.0) or not (0.0): a share
     ``rate`` of every task's runs, spread evenly (g = 1, 3, ... for 0.5), so each task's
     warm-start data holds both choices after the same context; a coin per run could give one
     task only fixes and another only give-ups."""
@@ -61,7 +61,7 @@ def teacher_runs(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, seed
                  give_up: float = 0.0) -> TeacherRuns:
     """``runs_per_task`` teacher runs of every task (seeds vary the detours), as trees; prompts
     and calls in ``tokenizer``'s ids (the embedded default unless given); ``give_up``: the
-    teacher's rate of leaving a wrong first fix (``harness.teacher.main_plan``)."""
+    teacher's rate of giving up at the retry (``harness.teacher.main_plan``)."""
     tokenizer = tokenizer or embedded_tokenizer()
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed, tokenizer, give_up))
