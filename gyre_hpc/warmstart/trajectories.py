@@ -39,9 +39,9 @@ class TeacherRuns:
 
 def gives_up(g: int, rate: float) -> float:
     """Whether teacher run ``g`` of a task gives up at the retry (1.0) or not (0.0): a share
-    ``rate`` of every task's runs, spread evenly (g = 1, 3, ... for 0.5), so each task's
-    warm-start data holds both choices after the same context; a coin per run could give one
-    task only fixes and another only give-ups."""
+    ``rate`` of every task's runs, spread evenly (g = 1, 3, ... for 0.5; g = 3, 7, ... for
+    0.25), so each task's warm-start data holds both choices after the same kind of context;
+    a coin per run could give one task only delegations and another only give-ups."""
     return float(int((g + 1) * rate) > int(g * rate))
 
 
