@@ -144,6 +144,9 @@ class WarmstartConfig(_Section):
     enabled: bool = False
     cache_dir: str = Field("runs/warmstart", description="where built checkpoints are cached")
     runs_per_task: int = Field(2, ge=1, description="teacher trajectories per task (different seeds)")
+    teacher_give_up: float = Field(
+        0.0, ge=0, le=1, description="share of the teacher's runs that stop at the retry instead of delegating "
+                                     "(they score < 1): a decision the warm start inherits and RL can improve")
     steps: int = Field(900, ge=1, description="optimizer steps (one packed row each)")
     lr: float = Field(1e-2, gt=0)
     row_tokens: int = Field(2048, ge=16)

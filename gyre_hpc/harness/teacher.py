@@ -49,8 +49,17 @@ def _note(step: Step) -> str:
     return {"test": "ran tests", "list": "listed files", "exec": "ran a command"}.get(tool, tool)
 
 
-def main_plan(task: Task, playbook: Playbook, rng: random.Random) -> list[Step]:
-    """Explore, get the main fix wrong once, finish too early (the harness retries), delegate, finish."""
+def main_plan(task: Task, playbook: Playbook, rng: random.Random, give_up: float = 0.0,
+              give_up_rng: random.Random | None = None) -> list[Step]:
+    """Explore, get the main fix wrong once, finish too early (the harness retries), delegate, finish.
+
+    With probability ``give_up`` the teacher gives up at the retry: it answers the harness's
+    "retry" with a second finish instead of delegating, so the run ends without the
+    sub-agent's module and scores only part of the tests. A warm start trained on such runs
+    makes that one decision (delegate or stop, right after the retry) at about that rate, and
+    the reward tells the two apart by the delegated module's tests: the signal RL improves
+    on. The choice is drawn from ``give_up_rng`` (the caller seeds it per task, so one seed
+    does not give up on every task alike); the detours' stream ``rng`` is the same as without it."""
     plan: list[Step] = [("list",), ("read", "README.md")]
     plan += [("read", path) for path in task.files if path != "README.md" and task.files[path]]
     for path, wrong, solution in playbook.fixes:
@@ -60,6 +69,8 @@ def main_plan(task: Task, playbook: Playbook, rng: random.Random) -> list[Step]:
     if rng.random() < 0.5:
         plan.append(("exec", "ls -R"))
     plan.append(("finish", "fixed " + ", ".join(p for p, _, _ in playbook.fixes)))
+    if give_up and (give_up_rng or rng).random() < give_up:
+        return plan + [("finish", "all tests pass")]
     plan += [("delegate", sub.request) for sub in playbook.subtasks]
     plan += [("test",), ("finish", "all tests pass")]
     return plan
@@ -77,17 +88,20 @@ class TeacherClient:
     """One run's teacher (it keeps the run's plan position): ``AgentRun(..., client=TeacherClient(task))``.
 
     ``tokenizer`` must be the one the run's ``AgentRun`` builds prompts with (the embedded
-    default unless a checkpoint brings its own)."""
+    default unless a checkpoint brings its own). ``give_up``: see ``main_plan``."""
 
     def __init__(self, task: Task, seed: int = 0, playbook: Playbook | None = None,
-                 tokenizer: ChatTokenizer | None = None) -> None:
+                 tokenizer: ChatTokenizer | None = None, give_up: float = 0.0) -> None:
         if playbook is None and task.task_id not in PLAYBOOKS:
             raise ValueError(f"task {task.task_id!r} has no teacher playbook; tasks with one: {', '.join(PLAYBOOKS)}")
         self.task = task
         self.tokenizer = tokenizer or embedded_tokenizer()
         self.playbook = playbook or PLAYBOOKS[task.task_id]
         rng = random.Random(seed)
-        self.main = deque(main_plan(task, self.playbook, rng))
+        if not 0.0 <= give_up <= 1.0:
+            raise ValueError(f"TeacherClient: give_up={give_up} must be a probability in [0, 1]")
+        self.main = deque(main_plan(task, self.playbook, rng, give_up,
+                                    random.Random(f"{seed}/{task.task_id}/give-up")))
         self.subs = [sub_plan(s, rng) for s in self.playbook.subtasks]
         self.sub: deque[Step] = deque()
         self.delegated = 0

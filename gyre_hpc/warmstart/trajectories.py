@@ -37,24 +37,34 @@ class TeacherRuns:
                 "trained_tokens": int(sum(t.trained.sum() for t in self.trees))}
 
 
+def gives_up(g: int, rate: float) -> float:
+    """Whether teacher run ``g`` of a task gives up at the retry (1.0) or not (0.0): a share
+    ``rate`` of every task's runs, spread evenly (g = 1, 3, ... for 0.5; g = 3, 7, ... for
+    0.25), so each task's warm-start data holds both choices after the same kind of context;
+    a coin per run could give one task only delegations and another only give-ups."""
+    return float(int((g + 1) * rate) > int(g * rate))
+
+
 async def _run_all(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, root: Path, seed: int,
-                   tokenizer: ChatTokenizer) -> list[RunResult]:
+                   tokenizer: ChatTokenizer, give_up: float) -> list[RunResult]:
     runs = []
     for t in tasks:
         for g in range(runs_per_task):
             rid = f"teacher-{t.task_id}-{g}"
-            client = TeacherClient(t, seed=seed * 7919 + g, tokenizer=tokenizer)
+            client = TeacherClient(t, seed=seed * 7919 + g, tokenizer=tokenizer, give_up=gives_up(g, give_up))
             runs.append(AgentRun(t, root / rid, client, root / f"{rid}.jsonl", cfg, run_id=rid, tokenizer=tokenizer))
     return list(await asyncio.gather(*(r.run(resume=False) for r in runs)))
 
 
 def teacher_runs(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, seed: int = 0,
-                 workdir: str | Path | None = None, tokenizer: ChatTokenizer | None = None) -> TeacherRuns:
+                 workdir: str | Path | None = None, tokenizer: ChatTokenizer | None = None,
+                 give_up: float = 0.0) -> TeacherRuns:
     """``runs_per_task`` teacher runs of every task (seeds vary the detours), as trees; prompts
-    and calls in ``tokenizer``'s ids (the embedded default unless given)."""
+    and calls in ``tokenizer``'s ids (the embedded default unless given); ``give_up``: the
+    teacher's rate of giving up at the retry (``harness.teacher.main_plan``)."""
     tokenizer = tokenizer or embedded_tokenizer()
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed, tokenizer))
+        results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed, tokenizer, give_up))
     failed = [r.run_id for r in results if r.status == "failed"]
     if failed:
         raise RuntimeError(f"teacher runs {failed[:3]} failed: {[r.error for r in results if r.error][:3]}")

@@ -155,3 +155,17 @@ def test_teacher_speaks_the_run_tokenizer_calls_and_summaries():
     summary = first + list(comp.output) + chat.message("user", SUMMARY_REQUEST) + chat.generation_prompt()
     comp = asyncio.run(teacher.complete(summary, 176, tok.stop_ids()))
     assert comp.output[-1] == tok.eos_id and tok.decode(comp.output).startswith("done: ")
+
+
+def test_teacher_that_gives_up_stops_at_the_retry_without_delegating(tmp_path):
+    task = _tasks()["lh-stats"]
+    plain = list(TeacherClient(task, seed=0).main)
+    quits = list(TeacherClient(task, seed=0, give_up=1.0).main)
+    cut = plain.index(next(s for s in plain if s[0] == "finish")) + 1   # up to the premature finish
+    assert quits[:cut] == plain[:cut] and quits[cut:] == [("finish", "all tests pass")]
+    r = _run(tmp_path, task, TeacherClient(task, seed=0, give_up=1.0))
+    assert r.status == "finished" and r.retries == 1 and r.delegations == 0
+    passed = dict(zip(r.check.names, r.check.passed))
+    assert passed["mean_simple"] and not passed["median_file"] and 0 < r.reward < 1.0
+    with pytest.raises(ValueError, match="give_up"):
+        TeacherClient(task, give_up=1.5)

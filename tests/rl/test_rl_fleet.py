@@ -55,11 +55,39 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
         assert len(step["checksums"]) == len(step["train_cells"]) and len(set(step["checksums"].values())) == 1
 
 
-def test_main_job_completes_writes_outputs_and_reward_rises(tmp_path):
-    """``gyre-hpc run examples/local.yaml``: local launcher, elastic, 3 cells, the easy suite."""
+def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
+    """``gyre-hpc run examples/local.yaml`` (what ``make run`` runs), made smaller: a cold
+    warm-start cache (so the teacher runs and SFT happen here, fewer steps), 2 RL steps of
+    2 tasks x 2 runs. The runs are long and branch: that is the default's point."""
+    from gyre_hpc.rundir.tree_stats import store_stats
+    from gyre_hpc.trees.store import TreeStore
+
     run = RunDir.at(tmp_path / "run")
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
-    proc = subprocess.run([gyre, "run", "examples/local.yaml", "--set",
+    sets = [f"run_dir={run.root}", f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.steps=150",
+            "warmstart.runs_per_task=2", "train.steps=2", "rollout.runs_per_task=2", "rollout.tasks_per_step=2"]
+    proc = subprocess.run([gyre, "run", "examples/local.yaml", *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, timeout=900, cwd=REPO, env=mpi_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "[warmstart] checkpoint" in out and "gyre rl: step 2/2" in out
+    meta = latest_meta(run)
+    assert meta.step == 2 and meta.extra["trees_committed"] == meta.extra["trained_upto"] == 2 * 4
+    with TreeStore.open(run.trees, "r") as store:
+        stats = store_stats(store.dataset())
+    print(stats)
+    assert stats["runs"] == 8 and stats["calls_per_run"]["mean"] >= 8
+    assert stats["runs_with"]["compression"] > 0 and stats["sharing_ratio"] > 1.5
+    runs = read_table(run.metrics, "runs")
+    assert set(runs["status"].tolist()) <= {"finished", "timeout"}
+    assert all(0.0 <= r <= 1.0 for r in runs["reward"])
+
+
+def test_easy_job_completes_writes_outputs_and_reward_rises(tmp_path):
+    """``gyre-hpc run examples/easy.yaml``: local launcher, elastic, 3 cells, the easy suite."""
+    run = RunDir.at(tmp_path / "run")
+    gyre = str(Path(sys.executable).with_name("gyre-hpc"))
+    proc = subprocess.run([gyre, "run", "examples/easy.yaml", "--set",
                            f"run_dir={run.root}"], capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

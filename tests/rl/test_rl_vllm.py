@@ -1,6 +1,6 @@
 """The rl workload with vLLM rollouts, and the main job's checkpoint served outside the project.
 
-One ``gyre-hpc run examples/local.yaml`` (local launcher, mpiexec) with ``rollout.engine=vllm``
+One ``gyre-hpc run examples/easy.yaml`` (local launcher, mpiexec) with ``rollout.engine=vllm``
 and 2 steps; its last checkpoint must then load in transformers (model and tokenizer, from the
 folder alone) and be served by vLLM with logprobs that match transformers' to 1e-3.
 """
@@ -26,7 +26,7 @@ def vllm_run(tmp_path_factory) -> RunDir:
     run = RunDir.at(tmp_path_factory.mktemp("vllm-rl") / "run")
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
     env = dict(mpi_env(), VLLM_LOGGING_LEVEL="WARNING")
-    proc = subprocess.run([gyre, "run", "examples/local.yaml", "--set", f"run_dir={run.root}",
+    proc = subprocess.run([gyre, "run", "examples/easy.yaml", "--set", f"run_dir={run.root}",
                            "--set", "rollout.engine=vllm", "--set", "train.steps=2"],
                           capture_output=True, text=True, timeout=1200, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -70,3 +70,12 @@ def test_warmstart_builds_once_and_points_the_run_at_its_checkpoint(tmp_path):
     assert with_warmstart(_cfg(tmp_path, "warmstart.enabled=false")).model.path is None
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]   # no scratch left behind
     assert np.isfinite(report["sft"]["loss_last"])
+
+
+def test_teacher_give_up_is_an_even_share_of_every_task_runs():
+    from gyre_hpc.warmstart.trajectories import gives_up
+
+    assert [gives_up(g, 0.5) for g in range(4)] == [0.0, 1.0, 0.0, 1.0]
+    assert [gives_up(g, 0.0) for g in range(4)] == [0.0] * 4
+    assert [gives_up(g, 1.0) for g in range(3)] == [1.0] * 3
+    assert sum(gives_up(g, 0.25) for g in range(8)) == 2
