@@ -137,14 +137,6 @@ class ElasticPolicy:
         candidates = sorted(candidates, key=lambda c: -c.cell)
         kv = kv_capacity(candidates[0], p.kv_tokens_per_engine)
         need = self.engines_needed(state, demand, kv) - engines
-        if engines == 0:
-            # No engine at all, none coming: not a question of capacity, the runs cannot
-            # proceed. This is the start of a batch after everything trained.
-            picked = candidates[:max(need, 1)]
-            why = (f"{demand} requests and runs waiting, no engine serving or arriving: "
-                   f"{len(picked)} of {len(candidates)} replicas become engines "
-                   f"({p.target_requests_per_engine} requests each)")
-            return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
         # Unfinished runs are not a blip: each calls the model again, and within a batch
         # their number only falls. More of them than the engines hold at the full target
         # (the tail on lightly loaded engines) is a new batch starting on fewer engines than
@@ -154,12 +146,21 @@ class ElasticPolicy:
         more = 0
         while more < len(candidates) and not self.holds_tail(engines + more, runs, state.tail_runs, 1.0):
             more += 1
+        if engines == 0:
+            # No engine at all, none coming: not a question of capacity, the runs cannot
+            # proceed. This is the start of a batch after everything trained.
+            picked = candidates[:max(need, more, 1)]
+            why = (f"{demand} requests and runs waiting, no engine serving or arriving: "
+                   f"{len(picked)} of {len(candidates)} replicas become engines "
+                   f"({p.target_requests_per_engine} requests each"
+                   + (f", the tail of {state.tail_runs} runs at <= {self.light} each" if state.tail_runs else "")
+                   + ")")
+            return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
         if more:
             picked = candidates[:more]
             why = (f"{runs} unfinished runs (each calls the model again) exceed {engines} engines x "
                    f"{p.target_requests_per_engine}"
-                   + (f" with the tail of {state.tail_runs} runs at <= {self.light} requests an engine"
-                      if state.tail_runs else "")
+                   + (f" with the tail of {state.tail_runs} runs at <= {self.light} each" if state.tail_runs else "")
                    + f": {len(picked)} more engines")
             return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
         # Requests beyond the runs (sub-agents calling in parallel) or KV: only when sustained.
@@ -223,13 +224,15 @@ class ElasticPolicy:
         if state.unfinished_runs == 0:
             fits = "every run of the batch is done"
         else:
-            fits = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine} each"
-                    + (f", room for the tail of {state.tail_runs} runs at <= {self.light} requests an engine"
-                       if state.tail_runs else "") + ")")
-        what = (f"backlog {backlog} tokens" if not state.expected_train_tokens else
-                f"{work} tokens (backlog {backlog} + {state.expected_train_tokens} expected from "
-                f"{state.unfinished_runs} unfinished runs)")
-        why = (f"{fits}; {what} trains in {joined_s:.1f}s instead of "
-               + ("never" if math.isinf(alone_s) else f"{alone_s:.1f}s")
-               + f" (switch {state.rollout_to_train_s:.2f}s + {state.train_to_rollout_s:.2f}s back)")
+            fits = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine}"
+                    + (f", tail {state.tail_runs} at <= {self.light} each" if state.tail_runs else "") + ")")
+        what = (f"backlog {backlog} tok" if not state.expected_train_tokens else
+                f"{work} tok (backlog {backlog} + {state.expected_train_tokens} from {state.unfinished_runs} runs)")
+        why = (f"{fits}; {what} trains in {_secs(joined_s)} not {_secs(alone_s)} "
+               f"(switch {state.rollout_to_train_s:.2f}+{state.train_to_rollout_s:.2f}s)")
         return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]
+
+
+def _secs(x: float) -> str:
+    """Seconds in a reason: short enough that a reason fits the timeline's 160-byte detail."""
+    return "never" if math.isinf(x) else f"{x:.2f}s" if x < 10 else f"{x:.1f}s" if x < 100 else f"{x:.0f}s"

@@ -128,8 +128,8 @@ def test_elastic_reclaims_at_once_when_the_unfinished_runs_exceed_the_engines():
     s = state("TRTT", inflight={1: 12}, unfinished_runs=12, tail_runs=3, train_backlog_tokens=0)
     got = p(s)
     assert flips(got) == {3: R}
-    assert got[0].reason.startswith("12 unfinished runs (each calls the model again) exceed 1 engines x 16 "
-                                    "with the tail of 3 runs at <= 8 requests an engine: 1 more engines")
+    assert got[0].reason == ("12 unfinished runs (each calls the model again) exceed 1 engines x 16 "
+                             "with the tail of 3 runs at <= 8 each: 1 more engines")
     # 8 runs with a tail of 2 hold on one engine (8 <= 16, the tail fits its light engine).
     assert p(state("TRTT", inflight={1: 8}, unfinished_runs=8, tail_runs=2, train_backlog_tokens=0)) == []
 
@@ -165,7 +165,7 @@ def test_elastic_plans_with_the_work_the_unfinished_runs_will_add():
     assert ELASTIC(s) == []
     got = ELASTIC(dataclasses.replace(s, expected_train_tokens=50_000))
     assert flips(got) == {2: T, 3: T}       # 2 requests fit the one engine that stays
-    assert "51000 tokens (backlog 1000 + 50000 expected from 2 unfinished runs)" in got[0].reason
+    assert "51000 tok (backlog 1000 + 50000 from 2 runs) trains in" in got[0].reason
 
 
 def test_elastic_reclaim_reason_is_true():
@@ -381,7 +381,8 @@ def test_every_elastic_reason_states_figures_that_hold():
         inflight = {i: rng.randint(0, 6) for i, ch in enumerate(roles) if ch == "R"}
         s = state(roles, inflight=inflight, queued_requests=rng.choice([0, 0, 3]),
                   unfinished_runs=sum(inflight.values()) + rng.randint(0, 8),
-                  train_backlog_tokens=rng.choice([0, BIG_BACKLOG]), demand_over_capacity_s=rng.choice([0.0, 20.0]))
+                  train_backlog_tokens=rng.choice([0, BIG_BACKLOG]), demand_over_capacity_s=rng.choice([0.0, 20.0]),
+                  tail_runs=rng.randint(0, 3), expected_train_tokens=rng.choice([0, 12_345_678]))
         for ch in p(s):
             m = re.search(r"demand (\d+) > (\d+) engines x (\d+)", ch.reason)
             if m:
@@ -394,6 +395,7 @@ def test_every_elastic_reason_states_figures_that_hold():
                 assert not p.holds_tail(int(m[2]), int(m[1]), s.tail_runs, 1.0), ch.reason
                 assert int(m[1]) == s.unfinished_runs
                 checked += 1
+            assert len(ch.reason) <= 160, ch.reason       # the timeline's detail column keeps it whole
             m = re.search(r"demand (\d+) fits (\d+) engines \(<= ([\d.]+) x (\d+)", ch.reason)
             if m:
                 assert int(m[1]) <= float(m[3]) * int(m[4]) * int(m[2]), ch.reason
