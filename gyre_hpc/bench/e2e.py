@@ -92,12 +92,27 @@ def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
     return {"run_dir": str(run.root), "launch_wall_s": wall, "result": json.loads(out.read_text())}
 
 
+def slowest_run_share(runs: dict, steps: dict) -> float | None:
+    """Mean over steps after the first of (the step's slowest run) / (step wall time): near 1,
+    the step is the slowest run's own time (its tool waits and calls) and no schedule of the
+    cells can shorten it much; what a policy can win is the rest."""
+    shares = []
+    for step, wall in zip(steps["step"], steps["wall_s"]):
+        mine = runs["wall_s"][runs["step"] == step]
+        if int(step) != int(min(steps["step"])) and len(mine) and wall > 0:
+            shares.append(float(max(mine)) / float(wall))
+    return round(statistics.fmean(shares), 3) if shares else None
+
+
 def summarize(policy: str, got: dict) -> dict:
     from gyre_hpc.rundir.load import open_run, time_fractions
+    from gyre_hpc.rundir.metrics import read_table
 
     res = got["result"]
     step_s = [s["wall_s"] for s in res["steps"]]
     fractions = time_fractions(open_run(got["run_dir"]))
+    metrics = Path(got["run_dir"]) / "metrics.h5"
+    share = slowest_run_share(read_table(metrics, "runs"), read_table(metrics, "steps"))
     return {
         "step_s": [round(x, 3) for x in step_s],
         "mean_step_s": round(statistics.fmean(step_s), 3),
@@ -106,9 +121,11 @@ def summarize(policy: str, got: dict) -> dict:
         "steady_step_s": round(statistics.fmean(step_s[1:] if len(step_s) > 1 else step_s), 3),
         "total_s": round(sum(step_s), 3),
         "busy": {k: round(v, 3) for k, v in fractions.items()},
+        "slowest_run_share": share,
         "flips": len(res["flips"]),
         "kv_migrations": res["migrations"],
         "restarts": sum(s["restarts"] for s in res["steps"]),
+        "recomputed_prefill_tokens": res.get("recomputed_prefill_tokens", 0),
         "reward_mean": [round(s["reward_mean"], 3) for s in res["steps"]],
         "optimizer_s": round(statistics.fmean(s["optimizer_s"] for s in res["steps"]), 4),
         "weight_sync_s": round(statistics.fmean(s["weight_sync_s"] for s in res["steps"]), 4),

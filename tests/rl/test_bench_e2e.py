@@ -52,3 +52,15 @@ def test_bench_e2e_refuses_a_comparison_without_elastic():
     proc = subprocess.run([gyre, "bench", "e2e", "--policies", "async,colocate"], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert proc.returncode != 0 and "elastic included" in proc.stderr
+
+
+def test_slowest_run_share_is_the_steady_steps_slowest_run_over_the_step():
+    import numpy as np
+
+    from gyre_hpc.bench.e2e import slowest_run_share
+
+    runs = {"step": np.array([1, 1, 2, 2, 3]), "wall_s": np.array([9.0, 1.0, 3.0, 4.0, 2.0])}
+    steps = {"step": np.array([1, 2, 3]), "wall_s": np.array([10.0, 5.0, 4.0])}
+    # step 1 (warm-up) left out: (4/5 + 2/4) / 2
+    assert slowest_run_share(runs, steps) == 0.65
+    assert slowest_run_share(runs, {"step": np.array([1]), "wall_s": np.array([10.0])}) is None
