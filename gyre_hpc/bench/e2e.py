@@ -157,6 +157,25 @@ def saturation(load_before: float, load_after: float) -> dict:
                      if load > cores else "")}
 
 
+TARGETS = {"elastic_over_colocate": 1.15, "elastic_over_async": 1.0}
+
+
+def limits(all_summaries: dict[str, list[dict]], resources: dict) -> dict:
+    """What bounds the speedups here: the saturated resource, and how much of a step is the
+    slowest run itself (a share near 1 leaves a schedule little to win)."""
+    share = {p: round(statistics.fmean(x for x in (s["slowest_run_share"] for s in ss) if x is not None), 3)
+             for p, ss in all_summaries.items() if any(s["slowest_run_share"] is not None for s in ss)}
+    notes = []
+    if resources.get("saturated"):
+        notes.append(f"{resources['saturated']} saturated ({resources['note']}): a released engine's cell trains on "
+                     f"the same cores the engines and tools use, so it moves compute instead of adding it")
+    if share and min(share.values()) >= 0.8:
+        notes.append(f"the slowest run is {min(share.values()):.0%}-{max(share.values()):.0%} of a step: its own tool "
+                     f"waits and calls, which no cell schedule shortens")
+    return {"targets": TARGETS, "saturated": resources.get("saturated"), "slowest_run_share": share,
+            "note": "; ".join(notes)}
+
+
 def simulate(runs: dict[str, dict], summaries: dict[str, dict], interval_s: float) -> dict:
     """The simulator on the measured workload, every policy on the same sampled runs."""
     from gyre_hpc.rundir.metrics import read_table
@@ -261,6 +280,7 @@ def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: fl
                     for b in names if b != "elastic"},
         "simulator": simulate(runs, summaries, interval_s=0.25),
         "resources": saturation(load_before, load_after),
+        "limits": limits(all_summaries, saturation(load_before, load_after)),
         "run_dirs": {p: [r["run_dir"] for r in rs] for p, rs in reps.items()},
     }
     emit(result, as_json)

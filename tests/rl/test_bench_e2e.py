@@ -64,3 +64,14 @@ def test_slowest_run_share_is_the_steady_steps_slowest_run_over_the_step():
     # step 1 (warm-up) left out: (4/5 + 2/4) / 2
     assert slowest_run_share(runs, steps) == 0.65
     assert slowest_run_share(runs, {"step": np.array([1]), "wall_s": np.array([10.0])}) is None
+
+
+def test_limits_name_the_saturated_resource_and_the_slowest_run_share():
+    from gyre_hpc.bench.e2e import limits
+
+    runs = {"elastic": [{"slowest_run_share": 0.9}, {"slowest_run_share": 0.8}],
+            "async": [{"slowest_run_share": None}, {"slowest_run_share": 1.0}]}
+    got = limits(runs, {"saturated": "cpu", "note": "load 9.0 on 2 cores"})
+    assert got["saturated"] == "cpu" and got["slowest_run_share"] == {"elastic": 0.85, "async": 1.0}
+    assert "cpu saturated" in got["note"] and "85%-100% of a step" in got["note"]
+    assert limits(runs, {"saturated": None})["note"].startswith("the slowest run")
