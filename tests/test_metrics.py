@@ -53,3 +53,21 @@ def test_writer_waits_for_a_reader_holding_the_file_lock(tmp_path):
         w.event("after")
     holder.wait(10)
     assert list(read_table(path, "events")["event"]) == ["start", "after"]
+
+
+def test_a_file_from_before_a_column_joined_reads_and_appends_with_it(tmp_path):
+    """Columns added to the schema (timeline requests/tokens, steps recomputed_prefill_tokens):
+    an older file's rows read as 0, and rows appended later keep every column aligned."""
+    import h5py
+
+    p = tmp_path / "metrics.h5"
+    with MetricsWriter(p) as w:
+        w.add(TimelineRow(time=1.0, cell=2, role="TRAIN", event="flip_end", bytes=10))
+    with h5py.File(p, "a") as f:            # make it look like a file written before the columns
+        del f["timeline"]["requests"], f["timeline"]["tokens"]
+    assert list(read_table(p, "timeline")["requests"]) == [0]
+    with MetricsWriter(p) as w:
+        w.add(TimelineRow(time=2.0, cell=1, role="ROLLOUT", event="migrate", bytes=64, requests=3, tokens=900))
+    tl = read_table(p, "timeline")
+    assert list(tl["event"]) == ["flip_end", "migrate"]
+    assert list(tl["requests"]) == [0, 3] and list(tl["tokens"]) == [0, 900] and list(tl["bytes"]) == [10, 64]

@@ -92,12 +92,27 @@ def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
     return {"run_dir": str(run.root), "launch_wall_s": wall, "result": json.loads(out.read_text())}
 
 
+def slowest_run_share(runs: dict, steps: dict) -> float | None:
+    """Mean over steps after the first of (the step's slowest run) / (step wall time): near 1,
+    the step is the slowest run's own time (its tool waits and calls) and no schedule of the
+    cells can shorten it much; what a policy can win is the rest."""
+    shares = []
+    for step, wall in zip(steps["step"], steps["wall_s"]):
+        mine = runs["wall_s"][runs["step"] == step]
+        if int(step) != int(min(steps["step"])) and len(mine) and wall > 0:
+            shares.append(float(max(mine)) / float(wall))
+    return round(statistics.fmean(shares), 3) if shares else None
+
+
 def summarize(policy: str, got: dict) -> dict:
     from gyre_hpc.rundir.load import open_run, time_fractions
+    from gyre_hpc.rundir.metrics import read_table
 
     res = got["result"]
     step_s = [s["wall_s"] for s in res["steps"]]
     fractions = time_fractions(open_run(got["run_dir"]))
+    metrics = Path(got["run_dir"]) / "metrics.h5"
+    share = slowest_run_share(read_table(metrics, "runs"), read_table(metrics, "steps"))
     return {
         "step_s": [round(x, 3) for x in step_s],
         "mean_step_s": round(statistics.fmean(step_s), 3),
@@ -106,9 +121,11 @@ def summarize(policy: str, got: dict) -> dict:
         "steady_step_s": round(statistics.fmean(step_s[1:] if len(step_s) > 1 else step_s), 3),
         "total_s": round(sum(step_s), 3),
         "busy": {k: round(v, 3) for k, v in fractions.items()},
+        "slowest_run_share": share,
         "flips": len(res["flips"]),
         "kv_migrations": res["migrations"],
         "restarts": sum(s["restarts"] for s in res["steps"]),
+        "recomputed_prefill_tokens": res.get("recomputed_prefill_tokens", 0),
         "reward_mean": [round(s["reward_mean"], 3) for s in res["steps"]],
         "optimizer_s": round(statistics.fmean(s["optimizer_s"] for s in res["steps"]), 4),
         "weight_sync_s": round(statistics.fmean(s["weight_sync_s"] for s in res["steps"]), 4),
@@ -138,6 +155,25 @@ def saturation(load_before: float, load_after: float) -> dict:
             "note": (f"load {load:.1f} on {cores} cores: every rank (controller, engines, replicas, tool "
                      f"processes) shares them, so step times measure CPU contention as much as the schedule"
                      if load > cores else "")}
+
+
+TARGETS = {"elastic_over_colocate": 1.15, "elastic_over_async": 1.0}
+
+
+def limits(all_summaries: dict[str, list[dict]], resources: dict) -> dict:
+    """What bounds the speedups here: the saturated resource, and how much of a step is the
+    slowest run itself (a share near 1 leaves a schedule little to win)."""
+    share = {p: round(statistics.fmean(x for x in (s["slowest_run_share"] for s in ss) if x is not None), 3)
+             for p, ss in all_summaries.items() if any(s["slowest_run_share"] is not None for s in ss)}
+    notes = []
+    if resources.get("saturated"):
+        notes.append(f"{resources['saturated']} saturated ({resources['note']}): a released engine's cell trains on "
+                     f"the same cores the engines and tools use, so it moves compute instead of adding it")
+    if share and min(share.values()) >= 0.8:
+        notes.append(f"the slowest run is {min(share.values()):.0%}-{max(share.values()):.0%} of a step: its own tool "
+                     f"waits and calls, which no cell schedule shortens")
+    return {"targets": TARGETS, "saturated": resources.get("saturated"), "slowest_run_share": share,
+            "note": "; ".join(notes)}
 
 
 def simulate(runs: dict[str, dict], summaries: dict[str, dict], interval_s: float) -> dict:
@@ -244,6 +280,7 @@ def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: fl
                     for b in names if b != "elastic"},
         "simulator": simulate(runs, summaries, interval_s=0.25),
         "resources": saturation(load_before, load_after),
+        "limits": limits(all_summaries, saturation(load_before, load_after)),
         "run_dirs": {p: [r["run_dir"] for r in rs] for p, rs in reps.items()},
     }
     emit(result, as_json)

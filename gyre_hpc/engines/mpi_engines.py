@@ -37,7 +37,7 @@ from gyre_hpc.engines.requests import Request
 from gyre_hpc.engines.router import EngineReport, MigrationResult
 
 CMD_TAG = 7001   # controller -> engine
-UP_TAG = 7002    # engine -> controller: ("events", events, outputs) or ("reply", op, payload)
+UP_TAG = 7002    # engine -> controller: ("events", events, outputs, prefill_tokens) or ("reply", op, payload)
 
 _IDLE_SLEEP_S = 0.0005
 _IDLE_SLEEP_MAX_S = 0.005
@@ -84,7 +84,9 @@ def serve_engine(engine: Engine, comm, controller: int = 0, chunk_bytes: int | N
         events = engine.step()
         outputs = engine.pop_finished()
         if events or outputs:
-            comm.send(("events", events, outputs), dest=controller, tag=UP_TAG)
+            # The prefill counter travels with the events of the same step, so the controller
+            # can tell a first prefill (a request's token 0) from a recomputed one exactly.
+            comm.send(("events", events, outputs, engine.counters().prefill_tokens), dest=controller, tag=UP_TAG)
     return engine.counters()
 
 
@@ -122,7 +124,7 @@ class _EngineServer:
         return self.engine.request_ids()
 
     def op_send_states(self, plan: list[tuple[str, int]]):
-        moved, gone, at_move, nbytes, t0 = {}, [], {}, 0, time.perf_counter()
+        moved, gone, at_move, nbytes, kv_tokens, t0 = {}, [], {}, 0, 0, time.perf_counter()
         inflight = set(self.engine.request_ids())
         for rid, dest in plan:
             state = self.engine.kv_export(rid) if rid in inflight else None
@@ -132,7 +134,8 @@ class _EngineServer:
             else:
                 moved[rid], at_move[rid] = dest, len(state.token_ids)
                 nbytes += stats.bytes
-        return {"moved": moved, "gone": gone, "tokens_at_move": at_move, "bytes": nbytes,
+                kv_tokens += state.cached_len
+        return {"moved": moved, "gone": gone, "tokens_at_move": at_move, "bytes": nbytes, "kv_tokens": kv_tokens,
                 "seconds": time.perf_counter() - t0, "outputs": self.engine.pop_finished()}
 
     def op_recv_states(self, items: list[tuple[str, int]]):
@@ -209,7 +212,7 @@ class MPIEngines:
         rank = status.Get_source()
         msg = self.comm.recv(source=rank, tag=UP_TAG)
         if msg[0] == "events":
-            self._pending.append(EngineReport(self._engine_of[rank], tuple(msg[1]), tuple(msg[2])))
+            self._pending.append(EngineReport(self._engine_of[rank], tuple(msg[1]), tuple(msg[2]), msg[3]))
             return None
         return (self._engine_of[rank],) + tuple(msg[1:])
 
@@ -301,8 +304,10 @@ class MPIEngines:
         sent = self._await_replies(expect)[source]
         if sent["outputs"]:
             self._pending.append(EngineReport(source, (), tuple(sent["outputs"])))
-        return MigrationResult(source, sent["moved"], tuple(sent["gone"]), sent["tokens_at_move"],
-                               sent["bytes"], sent["seconds"])
+        # The source names destinations by rank; the router books requests by engine id.
+        moved = {rid: self._engine_of[rank] for rid, rank in sent["moved"].items()}
+        return MigrationResult(source, moved, tuple(sent["gone"]), sent["tokens_at_move"],
+                               sent["bytes"], sent["seconds"], sent["kv_tokens"])
 
     def resume(self, engine: int) -> None:
         """Note that a stopped engine's rank is back in ``serve_engine`` (its cell left TRAIN)."""

@@ -29,6 +29,10 @@ class EngineReport:
     engine: int
     events: tuple[TokenEvent, ...] = ()
     outputs: tuple[Output, ...] = ()
+    # The engine's cumulative ``prefill_tokens`` right after producing these events (-1: not
+    # reported). Read with the events, a request's token 0 and the prefill behind it arrive
+    # together, so prefill beyond the first-token prompts is exactly what was recomputed.
+    prefill_tokens: int = -1
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class MigrationResult:
     tokens_at_move: Mapping[str, int] = field(default_factory=dict)  # output tokens each moved sequence had on the source
     bytes: int = 0                           # KV cache bytes moved
     seconds: float = 0.0
+    kv_tokens: int = 0                       # cached tokens moved (prompt + output - 1 per sequence)
 
 
 class EngineTransport(Protocol):
@@ -199,7 +204,7 @@ class InProcessEngines:
             events = eng.step() if eng.has_unfinished() else []
             outputs = eng.pop_finished()
             if events or outputs:
-                reports.append(EngineReport(idx, tuple(events), tuple(outputs)))
+                reports.append(EngineReport(idx, tuple(events), tuple(outputs), eng.counters().prefill_tokens))
         return reports
 
     def close_admission(self, engine: int) -> list[str]:
@@ -210,7 +215,7 @@ class InProcessEngines:
     def migrate(self, source: int, plan: Mapping[str, int]) -> MigrationResult:
         t0 = time.perf_counter()
         src = self.engines[source]
-        moved, gone, at_move, nbytes = {}, [], {}, 0
+        moved, gone, at_move, nbytes, kv_tokens = {}, [], {}, 0, 0
         inflight = set(src.request_ids())
         for rid, dest in plan.items():
             if rid not in inflight:
@@ -223,7 +228,8 @@ class InProcessEngines:
             moved[rid] = dest
             at_move[rid] = len(state.token_ids)
             nbytes += state.nbytes
-        return MigrationResult(source, moved, tuple(gone), at_move, nbytes, time.perf_counter() - t0)
+            kv_tokens += state.cached_len
+        return MigrationResult(source, moved, tuple(gone), at_move, nbytes, time.perf_counter() - t0, kv_tokens)
 
     def open(self, engine: int) -> None:
         self.engines[engine].open()

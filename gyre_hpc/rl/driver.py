@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,17 +87,41 @@ def restore_step_rows(directory: Path, metrics_path: Path) -> list:
 
 class CountingEngines(MPIEngines):
     """MPIEngines that also counts each engine's decoded tokens (its measured throughput)
-    and can pause an engine's serve loop so its rank can join a world-wide collective."""
+    and the prefill it did beyond first prefills, and can pause an engine's serve loop so
+    its rank can join a world-wide collective.
+
+    Recomputed prefill: every engine reports its cumulative ``prefill_tokens`` with the
+    events of the same decode step, and a request's first prefill is the step that produced
+    its token 0. So (sum of the engines' prefill) - (prompt tokens of the requests whose token
+    0 was seen) is exactly the prefill done again: a moved sequence whose cache did not
+    travel re-fills prompt + output without a token 0. Valid for engines that prefill a
+    prompt in the step that samples its first token (TorchEngine without a prefill budget)."""
 
     def __init__(self, comm, ranks, poll_timeout_s: float = 0.0, reply_timeout_s: float = 600.0):
         super().__init__(comm, ranks, poll_timeout_s, reply_timeout_s)
         self.tokens = {e: 0 for e in self.ranks}
+        self.prefill = {e: 0 for e in self.ranks}     # engine -> cumulative prefill tokens reported
+        self.first_prefill = 0                        # prompt tokens of requests whose token 0 was seen
+        self._prompt_len: dict[str, int] = {}         # submitted, token 0 not seen yet
+
+    def submit(self, engine: int, request) -> None:
+        self._prompt_len[request.request_id] = request.prompt_len
+        super().submit(engine, request)
 
     def poll(self):
         reports = super().poll()
         for r in reports:
             self.tokens[r.engine] += len(r.events)
+            if r.prefill_tokens >= 0:
+                self.prefill[r.engine] = r.prefill_tokens
+            for ev in r.events:
+                if ev.index == 0:
+                    self.first_prefill += self._prompt_len.pop(ev.request_id, 0)
         return reports
+
+    @property
+    def recomputed_prefill_tokens(self) -> int:
+        return sum(self.prefill.values()) - self.first_prefill
 
     def pause(self, engines) -> dict:
         """Each paused engine's counters (the ``stop`` reply)."""
@@ -166,6 +191,13 @@ class RLStepRecord:
     weight_sync_s: float = 0.0    # new weights into every serving engine
     weight_sync_bytes: int = 0    # bytes each engine received
     checksums: dict[int, str] | None = None
+    recomputed_prefill_tokens: int = 0   # prefill the engines did again during the step (0 with KV migration)
+
+
+# A flip to TRAIN moves the trainer's state: the weights and AdamW's two moments, 3x the bytes
+# of the weights the engines receive after each step. Until this fleet has flipped a cell,
+# the switch costs are planned from its own measured weight broadcast at this ratio.
+STATE_BYTES_PER_WEIGHT_BYTE = 3
 
 
 class RLStepDriver:
@@ -194,6 +226,9 @@ class RLStepDriver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.demand = DemandClock(self.engine_capacity_requests())
         self._next: tuple[StepState, list[asyncio.Task]] | None = None   # the next step, rolling out ahead
+        self._weights_push_s: float | None = None    # the latest measured weight broadcast to the engines
+        self._run_tokens = (0, 0)                    # (training tokens, runs) of the groups committed so far
+        self._recomputed_mark = 0                    # recomputed prefill counted in earlier steps
 
     @property
     def policy_version(self) -> int:
@@ -288,6 +323,8 @@ class RLStepDriver:
         st.next_mb += len(mbs)
         st.pending.extend(group_refs(indices, mbs))
         st.groups_changed = True
+        tokens, runs = self._run_tokens
+        self._run_tokens = (tokens + sum(mb.tokens for mb in mbs), runs + len(outs))
 
     # ---- replicas ------------------------------------------------------------------------
     def _deal(self, st: StepState) -> None:
@@ -332,7 +369,8 @@ class RLStepDriver:
         self._sample_cells(st)
         inflight = self.router.inflight()
         queued = len(self.driver.queue)
-        tail = tail_runs(st.run_started, st.outcomes)
+        # Runs not started yet (their tasks have not run) count as open, youngest of all.
+        tail = tail_runs({s.run_id: st.run_started.get(s.run_id, math.inf) for s in st.specs}, st.outcomes)
         serving = [c for c in self.cells if c.role is Role.ROLLOUT and c.id in self.router.engines]
         # Cells that never trained (or never served) plan with what the others measured:
         # the cells are alike, so the first micro-batch (engine window) is the prior.
@@ -351,18 +389,37 @@ class RLStepDriver:
             rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0) or engine_prior,
             train_tokens_per_s=sum(self.speeds.rates.get(r, 0.0) for r in c.ranks) or train_prior * len(c.ranks),
             tail_requests=tail_on(c.id) if c.role is Role.ROLLOUT else 0) for c in self.cells)
-        extra = {}
-        for role, key in ((Role.TRAIN, "rollout_to_train_s"), (Role.ROLLOUT, "train_to_rollout_s")):
-            if self.switch_s[role] is not None:
-                extra[key] = self.switch_s[role]
+        extra = self.switch_costs()
+        tokens, runs = self._run_tokens
         return ClusterState(time=time.time(), step=st.step, cells=cells, unfinished_runs=st.unfinished,
                             queued_requests=queued, inflight_requests=len(inflight),
                             tokens_inflight=sum(self.router.outstanding_tokens(e) for e in self.router.engines),
-                            train_backlog_tokens=st.backlog_tokens(), policy_version=self.policy_version,
+                            train_backlog_tokens=st.backlog_tokens(),
+                            expected_train_tokens=int(st.unfinished * tokens / runs) if runs else 0,
+                            policy_version=self.policy_version,
                             oldest_rollout_version=self.policy_version,
                             demand_over_capacity_s=self.demand.update(time.monotonic(), queued, len(inflight),
                                                                       len(serving)),
                             tail_runs=len(tail), **extra)
+
+    def switch_costs(self) -> dict[str, float]:
+        """The flip costs the policy plans with: this fleet's own last flip each way; before
+        one, its measured weight broadcast (x ``STATE_BYTES_PER_WEIGHT_BYTE`` to TRAIN, where
+        the optimizer state moves too); before that, nothing (the state's defaults)."""
+        out = {}
+        push = self._weights_push_s
+        for role, key, prior in ((Role.TRAIN, "rollout_to_train_s", STATE_BYTES_PER_WEIGHT_BYTE),
+                                 (Role.ROLLOUT, "train_to_rollout_s", 1)):
+            if self.switch_s[role] is not None:
+                out[key] = self.switch_s[role]
+            elif push is not None:
+                out[key] = prior * push
+        return out
+
+    @property
+    def plans_from_rates(self) -> bool:
+        """A policy that weighs switches against training rates (elastic)."""
+        return hasattr(getattr(self.fleet.policy, "params", None), "default_train_tokens_per_s")
 
     def _sample_cells(self, st: StepState) -> None:
         """About once a second, one ``engines`` row per cell: an engine's decode tokens/s and
@@ -395,8 +452,7 @@ class RLStepDriver:
         self.metrics.append(rows)
 
     def consult(self, st: StepState) -> list[FlipRecord]:
-        plans_from_rates = hasattr(getattr(self.fleet.policy, "params", None), "default_train_tokens_per_s")
-        if plans_from_rates and st.backlog_tokens() and not any(r > 0 for r in self.speeds.rates.values()):
+        if self.plans_from_rates and st.backlog_tokens() and not any(r > 0 for r in self.speeds.rates.values()):
             # Trainable work waits but no replica has reported a micro-batch yet: a policy that
             # plans from training rates (elastic) would rest on a made-up one. The first report
             # comes within one micro-batch; from then on every cell plans with the measured rate.
@@ -420,6 +476,8 @@ class RLStepDriver:
         hands in what it holds first: its gradients leave with it and the others redo them.
         """
         t0 = time.perf_counter()
+        for ch in changes:
+            print(f"[rl] step {st.step}: cell {ch.cell} -> {Role(ch.to).value}: {ch.reason}", flush=True)
         releasing = [ch.cell for ch in changes if Role(ch.to) is Role.TRAIN]
         reclaiming = [ch.cell for ch in changes if Role(ch.to) is Role.ROLLOUT]
         if reclaiming:
@@ -433,7 +491,7 @@ class RLStepDriver:
                     continue        # the engine held nothing: no migration to log
                 self.metrics.append([TimelineRow(
                     time=time.time(), cell=cid, role=Role.ROLLOUT.value, event="migrate", step=st.step,
-                    duration_s=mig.seconds, bytes=mig.bytes,
+                    duration_s=mig.seconds, bytes=mig.bytes, requests=len(mig.moved), tokens=mig.kv_tokens,
                     detail=f"{len(mig.moved)} in-flight requests moved with their KV cache to engines "
                            f"{sorted(set(mig.moved.values()))}; {len(mig.gone)} finished first")])
         self.pause_engines([cid for cid in releasing if cid in self.serving])
@@ -571,6 +629,8 @@ class RLStepDriver:
             if self.fleet.verify_weights:
                 checksums = {r: rep.checksum for r, rep in reps.items()}
         self.trained_upto = len(self.store)
+        recomputed = self.transport.recomputed_prefill_tokens
+        recomputed, self._recomputed_mark = recomputed - self._recomputed_mark, recomputed
         rewards = [o.tree.reward for o in outs]
         loss = sum(st.losses.values()) / n_runs if n_runs else float("nan")
         rec = RLStepRecord(step=st.step, wall_s=time.perf_counter() - t0, loss=loss, reward_mean=float(np.mean(rewards)),
@@ -580,7 +640,7 @@ class RLStepDriver:
                            migrations=sum(o.migrations for o in outs), restarts=sum(o.restarts for o in outs),
                            flips=len(st.flips), optimizer_s=optimizer_s, weight_sync_s=sync_s,
                            weight_sync_bytes=sync_bytes,
-                           checksums=checksums)
+                           checksums=checksums, recomputed_prefill_tokens=recomputed)
         now = time.time()
         self._step_rows = [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
                                   status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
@@ -589,7 +649,7 @@ class RLStepDriver:
                            for o in outs]
         self._step_rows.append(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
                                        replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
-                                       policy_version=self.policy_version))
+                                       policy_version=self.policy_version, recomputed_prefill_tokens=recomputed))
         return rec
 
     def push_weights(self, step: int, version: int) -> int:
@@ -600,9 +660,11 @@ class RLStepDriver:
             return 0
         members = (core_cell(self.cells).leader,) + tuple(self.cell(e).leader for e in engines)
         core = members[0]
+        t0 = time.perf_counter()
         self.fleet.send(core, messages.PushWeights(step, version, members))
         got = self.transport.call_many({e: ("recv_weights", (version, members)) for e in engines})
         self.fleet.collect([core])
+        self._weights_push_s = time.perf_counter() - t0
         return int(next(iter(got.values()))["bytes"])
 
     # ---- the fleet's hooks ---------------------------------------------------------------
@@ -613,6 +675,10 @@ class RLStepDriver:
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(ThreadPoolExecutor(max_workers=2 * runs + 4))
         self.resume_engines()
+        if self.plans_from_rates:
+            # Measure this fleet's weight broadcast once (the weights the engines already hold,
+            # same version): the policy's switch-cost prior until its first flip is measured.
+            self.push_weights(self.fleet.start_step, self.policy_version)
 
     def run_step(self, step: int) -> RLStepRecord | None:
         rec = self._loop.run_until_complete(self.run_step_async(step))

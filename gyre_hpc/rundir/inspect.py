@@ -54,6 +54,9 @@ class RunSummary:
     steps: list[dict] = field(default_factory=list)
     trees: dict | None = None
     runs: dict | None = None
+    # What the flips did to the rollouts (``flip_effects``): migrations, restarts,
+    # recomputed prefill, flapping. None for a run without a timeline.
+    flip_effects: dict | None = None
 
 
 _SUPERVISOR_END = {"finish": "finished", "fail": "failed", "requeue": "requeued", "stop": "stopped"}
@@ -119,8 +122,11 @@ def summarize(path: str | Path) -> RunSummary:
         runs = {"runs": int(len(r["run_id"])), "migrations": int(r["migrations"].sum()),
                 "restarts": int(r["restarts"].sum()), "statuses": dict(Counter(str(x) for x in r["status"]))}
 
+    effects = None
+    if "timeline" in tables:
+        effects = flip_effects(tables["timeline"], tables.get("runs"), tables.get("steps"))
     return RunSummary(
-        steps=steps, trees=_trees_summary(run), runs=runs,
+        steps=steps, trees=_trees_summary(run), runs=runs, flip_effects=effects,
         run_dir=str(run.root), name=cfg.name, launcher=cfg.launcher, policy=cfg.scheduler.policy,
         cells=cfg.cells.count, ranks_per_cell=cfg.cells.ranks_per_cell, steps_planned=cfg.train.steps,
         steps_done=len(step_counts), repeated_steps=sorted(s for s, n in step_counts.items() if n > 1),
@@ -128,6 +134,49 @@ def summarize(path: str | Path) -> RunSummary:
         launches=names.count("launch") + names.count("relaunch"), relaunches=names.count("relaunch"),
         requeues=names.count("requeue"), status=status, events=events,
         cell_flips=[flips[c] for c in sorted(flips)])
+
+
+def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = None) -> dict:
+    """The flips of a run and what they cost the rollouts, from the metrics tables.
+
+    ``kv_migrations``: drains that moved in-flight requests with their KV cache (``migrate``
+    rows with requests > 0), i.e. releases of a cell that had requests in flight; with the
+    requests, cached KV tokens and bytes moved. ``restarts`` (runs table): model calls
+    submitted again from scratch. ``recomputed_prefill_tokens`` (steps table): prefill the
+    engines did twice. ``flaps``: a cell released (ROLLOUT -> TRAIN) and reclaimed in the same
+    step, i.e. an engine given up and needed back for the same batch. ``reversals``: any flip
+    that undoes the cell's previous flip in the same step, flaps included; the elastic cycle
+    (back for a new batch at its start, released at its tail) makes one per cell and step.
+    A fleet launch (``start`` rows) begins each cell's count afresh.
+    """
+    last: dict[int, tuple[int, str]] = {}       # cell -> (step, role) of its latest flip this launch
+    out = {"flips": 0, "releases": 0, "reclaims": 0, "kv_migrations": 0, "migrated_requests": 0,
+           "migrated_kv_tokens": 0, "migrated_kv_bytes": 0, "flaps": 0, "reversals": 0}
+    for cell, role, event, step, requests, tokens, nbytes in zip(
+            timeline["cell"], timeline["role"], timeline["event"], timeline["step"], timeline["requests"],
+            timeline["tokens"], timeline["bytes"]):
+        cell, step, role = int(cell), int(step), str(role)
+        if event == "start":
+            last.pop(cell, None)
+        elif event == "migrate" and int(requests) > 0:
+            out["kv_migrations"] += 1
+            out["migrated_requests"] += int(requests)
+            out["migrated_kv_tokens"] += int(tokens)
+            out["migrated_kv_bytes"] += int(nbytes)
+        elif event == "flip_end":
+            out["flips"] += 1
+            out["releases" if role == "TRAIN" else "reclaims"] += 1
+            prev = last.get(cell)
+            if prev is not None and prev[0] == step and prev[1] != role:
+                out["reversals"] += 1
+                out["flaps"] += int(prev[1] == "TRAIN" and role == "ROLLOUT")
+            last[cell] = (step, role)
+    has_runs = runs is not None and len(runs["run_id"]) > 0
+    out["run_migrations"] = int(runs["migrations"].sum()) if has_runs else 0
+    out["restarts"] = int(runs["restarts"].sum()) if has_runs else 0
+    out["recomputed_prefill_tokens"] = (int(steps["recomputed_prefill_tokens"].sum())
+                                        if steps is not None and len(steps["step"]) else 0)
+    return out
 
 
 def _trees_summary(run: RunDir) -> dict | None:
@@ -215,6 +264,13 @@ def render(summary: RunSummary) -> None:
         r = summary.runs
         console.print(f"agent runs: {r['runs']} ({r['statuses']}), KV migrations {r['migrations']}, "
                       f"restarts {r['restarts']}")
+    f = summary.flip_effects
+    if f and f["flips"]:
+        console.print(f"flips: {f['flips']} ({f['releases']} to TRAIN, {f['reclaims']} to ROLLOUT); releases with "
+                      f"requests in flight {f['kv_migrations']}: {f['migrated_requests']} requests moved with "
+                      f"{f['migrated_kv_tokens']} KV tokens ({f['migrated_kv_bytes'] / 1e6:.1f} MB); restarts "
+                      f"{f['restarts']}, recomputed prefill tokens {f['recomputed_prefill_tokens']}, flaps "
+                      f"{f['flaps']} (released and reclaimed in one step)")
 
     if summary.events:
         import time as _time

@@ -25,14 +25,17 @@ _TEXT = "S160"
 
 # table -> ordered (column, dtype). Roles: ROLLOUT, TRAIN, SWITCH, IDLE, DOWN.
 TABLES: dict[str, list[tuple[str, Any]]] = {
-    # One row per event on a cell: role changes (start/end of a flip), launches, relaunches.
+    # One row per event on a cell: role changes (start/end of a flip), launches, relaunches,
+    # KV migrations (``migrate``: requests moved, their cached KV tokens and bytes).
     "timeline": [
         ("time", "f8"), ("cell", "i4"), ("role", _STR), ("event", _STR), ("step", "i4"),
-        ("duration_s", "f8"), ("bytes", "i8"), ("detail", _TEXT),
+        ("duration_s", "f8"), ("bytes", "i8"), ("detail", _TEXT), ("requests", "i4"), ("tokens", "i8"),
     ],
+    # recomputed_prefill_tokens: prompt/KV tokens the engines prefilled again during the step
+    # (a moved sequence whose cache did not travel); 0 with KV migration.
     "steps": [
         ("step", "i4"), ("time", "f8"), ("wall_s", "f8"), ("tokens", "i8"), ("replicas", "i4"),
-        ("loss", "f8"), ("reward_mean", "f8"), ("policy_version", "i4"),
+        ("loss", "f8"), ("reward_mean", "f8"), ("policy_version", "i4"), ("recomputed_prefill_tokens", "i8"),
     ],
     "engines": [
         ("time", "f8"), ("cell", "i4"), ("tokens_per_s", "f8"), ("queued", "i4"),
@@ -59,6 +62,8 @@ class TimelineRow:
     duration_s: float = 0.0
     bytes: int = 0
     detail: str = ""
+    requests: int = 0      # migrate: in-flight requests moved
+    tokens: int = 0        # migrate: their cached KV tokens
 
 
 @dataclass
@@ -71,6 +76,7 @@ class StepRow:
     loss: float = float("nan")
     reward_mean: float = float("nan")
     policy_version: int = 0
+    recomputed_prefill_tokens: int = 0
 
 
 @dataclass
@@ -144,9 +150,12 @@ class MetricsWriter:
         self._f = _open_for_write(self.path)
         for table, cols in TABLES.items():
             grp = self._f.require_group(table)
+            rows = grp[cols[0][0]].shape[0] if cols[0][0] in grp else 0
             for col, dtype in cols:
                 if col not in grp:
-                    grp.create_dataset(col, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+                    # A column newer than the file: its existing rows read as 0 / "".
+                    grp.create_dataset(col, shape=(rows,), maxshape=(None,), dtype=dtype, chunks=(1024,),
+                                       fillvalue=b"" if str(dtype).startswith("S") else 0)
         self._f.attrs["schema_version"] = SCHEMA_VERSION
         for k, v in (attrs or {}).items():
             self._f.attrs[k] = v
@@ -200,7 +209,17 @@ def read_table(path: str | Path, table: str) -> dict[str, np.ndarray]:
     with h5py.File(path, "r", libver="latest", swmr=True) as f:
         grp = f[table]
         out = {}
+        rows = None
         for col, dtype in TABLES[table]:
+            if col not in grp:
+                # A file written before the column joined the schema: its rows read as 0 / "".
+                if rows is None:
+                    first = grp[TABLES[table][0][0]]
+                    first.refresh()
+                    rows = first.shape[0]
+                out[col] = (np.array([""] * rows, dtype=object) if str(dtype).startswith("S")
+                            else np.zeros(rows, dtype=dtype))
+                continue
             ds = grp[col]
             ds.refresh()
             data = ds[()]

@@ -99,6 +99,26 @@ class ElasticPolicy:
             n = max(n, math.ceil(state.tokens_inflight / (p.fill * kv_per_engine)))
         return n
 
+    @property
+    def light(self) -> int:
+        """Requests a tail run may share an engine with and still count as lightly loaded."""
+        p = self.params
+        return p.tail_engine_requests or max(1, p.target_requests_per_engine // 2)
+
+    def holds_tail(self, n: int, demand: int, tail: int, fill: float) -> bool:
+        """Whether ``n`` engines hold ``demand`` requests at ``fill`` of the target with each
+        of the ``tail`` runs on a lightly loaded engine: the tail takes ceil(tail / light)
+        engines, the rest of the demand must fit the others."""
+        per = fill * self.params.target_requests_per_engine
+        if demand > per * n:
+            return False
+        if tail <= 0:
+            return True
+        tail_engines = math.ceil(tail / self.light)
+        rest = demand - min(tail, demand)
+        spare = tail_engines * self.light - tail
+        return tail_engines <= n and rest - spare <= per * (n - tail_engines)
+
     def __call__(self, state: ClusterState) -> list[RoleChange]:
         changes = self._reclaim(state)
         if changes:
@@ -117,14 +137,33 @@ class ElasticPolicy:
         candidates = sorted(candidates, key=lambda c: -c.cell)
         kv = kv_capacity(candidates[0], p.kv_tokens_per_engine)
         need = self.engines_needed(state, demand, kv) - engines
+        # Unfinished runs are not a blip: each calls the model again, and within a batch
+        # their number only falls. More of them than the engines hold at the full target
+        # (the tail on lightly loaded engines) is a new batch starting on fewer engines than
+        # it needs: reclaim at once. A release needed them to fit at ``fill`` of the target
+        # on the engines that stayed, so this never undoes one within the batch.
+        runs = state.unfinished_runs
+        more = 0
+        while more < len(candidates) and not self.holds_tail(engines + more, runs, state.tail_runs, 1.0):
+            more += 1
         if engines == 0:
             # No engine at all, none coming: not a question of capacity, the runs cannot
             # proceed. This is the start of a batch after everything trained.
-            picked = candidates[:max(need, 1)]
+            picked = candidates[:max(need, more, 1)]
             why = (f"{demand} requests and runs waiting, no engine serving or arriving: "
                    f"{len(picked)} of {len(candidates)} replicas become engines "
-                   f"({p.target_requests_per_engine} requests each)")
+                   f"({p.target_requests_per_engine} requests each"
+                   + (f", the tail of {state.tail_runs} runs at <= {self.light} each" if state.tail_runs else "")
+                   + ")")
             return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
+        if more:
+            picked = candidates[:more]
+            why = (f"{runs} unfinished runs (each calls the model again) exceed {engines} engines x "
+                   f"{p.target_requests_per_engine}"
+                   + (f" with the tail of {state.tail_runs} runs at <= {self.light} each" if state.tail_runs else "")
+                   + f": {len(picked)} more engines")
+            return [RoleChange(c.cell, Role.ROLLOUT, why) for c in picked]
+        # Requests beyond the runs (sub-agents calling in parallel) or KV: only when sustained.
         if need <= 0 or state.demand_over_capacity_s < p.reclaim_after_s:
             return []
         picked = candidates[:need]
@@ -139,22 +178,10 @@ class ElasticPolicy:
         """Whether ``demand`` fits ``remaining`` engines at ``fill`` of their target and of
         their KV capacity, with the tail's requests each on a lightly loaded engine."""
         p = self.params
-        n = len(remaining)
-        if demand > p.fill * p.target_requests_per_engine * n:
-            return False
         caps = [kv_capacity(c, p.kv_tokens_per_engine) for c in remaining]
-        if all(caps) and state.tokens_inflight > p.fill * sum(caps):
+        if remaining and all(caps) and state.tokens_inflight > p.fill * sum(caps):
             return False
-        if state.tail_runs > 0:
-            # Tail runs, each on an engine with at most `tail_engine_requests` requests: they
-            # take ceil(tail / light) engines, and the rest of the demand must fit the others.
-            light = p.tail_engine_requests or max(1, p.target_requests_per_engine // 2)
-            tail_engines = math.ceil(state.tail_runs / light)
-            rest = demand - min(state.tail_runs, demand)
-            spare = tail_engines * light - state.tail_runs
-            if tail_engines > n or rest - spare > p.fill * p.target_requests_per_engine * (n - tail_engines):
-                return False
-        return True
+        return self.holds_tail(len(remaining), demand, state.tail_runs, p.fill)
 
     def _release(self, state: ClusterState) -> list[RoleChange]:
         p = self.params
@@ -178,16 +205,18 @@ class ElasticPolicy:
             remaining = after
         if not picked:
             return []
-        # Worth it? Time to train the waiting backlog with the replicas there now, against
-        # the time with the released cells joining after their switch, plus their way back.
-        # More cells only shorten the second figure, so it is all the cells that fit or none.
+        # Worth it? The training work of this batch: the backlog waiting now plus what the
+        # unfinished runs are expected to add (measured per finished run), with the replicas
+        # there now, against the same with the released cells joining after their switch,
+        # plus their way back. More cells only shorten the second figure: all that fit or none.
         backlog = state.train_backlog_tokens
+        work = backlog + state.expected_train_tokens
         rate = trainers_rate(state, p.default_train_tokens_per_s)
         added = sum(train_rate(c, p.default_train_tokens_per_s) for c in picked)
-        left = backlog - rate * state.rollout_to_train_s
+        left = work - rate * state.rollout_to_train_s
         if left <= 0:
             return []
-        alone_s = backlog / rate if rate > 0 else math.inf
+        alone_s = work / rate if rate > 0 else math.inf
         joined_s = state.rollout_to_train_s + left / (rate + added)
         if joined_s + p.return_cost_weight * state.train_to_rollout_s >= alone_s:
             return []
@@ -195,10 +224,15 @@ class ElasticPolicy:
         if state.unfinished_runs == 0:
             fits = "every run of the batch is done"
         else:
-            light = p.tail_engine_requests or max(1, p.target_requests_per_engine // 2)
-            fits = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine} each"
-                    + (f", room for the tail of {state.tail_runs} runs at <= {light} requests an engine"
-                       if state.tail_runs else "") + ")")
-        why = (f"{fits}; backlog {backlog} tokens trains in {joined_s:.0f}s instead of "
-               + ("never" if math.isinf(alone_s) else f"{alone_s:.0f}s"))
+            fits = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine}"
+                    + (f", tail {state.tail_runs} at <= {self.light} each" if state.tail_runs else "") + ")")
+        what = (f"backlog {backlog} tok" if not state.expected_train_tokens else
+                f"{work} tok (backlog {backlog} + {state.expected_train_tokens} from {state.unfinished_runs} runs)")
+        why = (f"{fits}; {what} trains in {_secs(joined_s)} not {_secs(alone_s)} "
+               f"(switch {state.rollout_to_train_s:.2f}+{state.train_to_rollout_s:.2f}s)")
         return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]
+
+
+def _secs(x: float) -> str:
+    """Seconds in a reason: short enough that a reason fits the timeline's 160-byte detail."""
+    return "never" if math.isinf(x) else f"{x:.2f}s" if x < 10 else f"{x:.1f}s" if x < 100 else f"{x:.0f}s"

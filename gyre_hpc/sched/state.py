@@ -50,6 +50,10 @@ class ClusterState:
     inflight_requests: int = 0
     tokens_inflight: int = 0
     train_backlog_tokens: int = 0     # trajectory tokens stored but not yet trained
+    # Training tokens the unfinished runs are expected to add once they finish (the caller's
+    # measure per finished run x unfinished runs; 0 = unknown). Work a released cell will
+    # find before the batch ends, beside the backlog already waiting.
+    expected_train_tokens: int = 0
     policy_version: int = 0           # trainer's newest weights
     oldest_rollout_version: int = 0   # policy version of the oldest unfinished run
     # How long queued work has continuously exceeded what the serving engines hold, as the

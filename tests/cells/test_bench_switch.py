@@ -40,6 +40,8 @@ def test_summary_reports_engine_weight_sync_against_a_raw_bcast_of_the_same_byte
     sync = s["engine_weight_sync"]
     assert sync["MBps"] == 100.0 and sync["raw_bcast"]["MBps"] == 250.0
     assert sync["ratio_MBps_over_raw_bcast"] == pytest.approx(0.4)
+    assert sync["ratio_pairs_median"] == pytest.approx(0.4)     # pairs 0.4, 0.8, 0.2
+    assert sync["ratio_of_best"] == pytest.approx(0.8)          # 0.4 / 0.5
     assert "engine_weight_sync" not in summarize(RAW, 100.0, "local")
 
 

@@ -72,3 +72,13 @@ def test_engine_weight_channel_moves_a_state_dict_over_2_gib_in_place(tmp_path):
     assert got["bytes"] == got["big_bytes"] + 4000 + 8
     assert got["chunks"] >= 3                           # cut into 1 GiB pieces, below the limit
     assert got["in_place"] and got["checksum_equal"]
+
+
+def test_engine_weight_channel_sends_the_header_once_and_refuses_a_changed_model(tmp_path):
+    """Later pushes skip the header round; they stay bit-exact and in place into tensors held in
+    another dict order, and a push whose shapes changed is refused naming why."""
+    out = tmp_path / "out.json"
+    ok(mpiexec(3, [str(RANKS / "weights_channel_repeat.py"), str(out)], timeout=120))
+    got = json.loads(out.read_text())
+    assert got["exact"] == [True, True, True] and got["in_place"] == [True, True, True]
+    assert "changed since the first push" in got["refused"]

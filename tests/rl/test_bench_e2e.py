@@ -52,3 +52,26 @@ def test_bench_e2e_refuses_a_comparison_without_elastic():
     proc = subprocess.run([gyre, "bench", "e2e", "--policies", "async,colocate"], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert proc.returncode != 0 and "elastic included" in proc.stderr
+
+
+def test_slowest_run_share_is_the_steady_steps_slowest_run_over_the_step():
+    import numpy as np
+
+    from gyre_hpc.bench.e2e import slowest_run_share
+
+    runs = {"step": np.array([1, 1, 2, 2, 3]), "wall_s": np.array([9.0, 1.0, 3.0, 4.0, 2.0])}
+    steps = {"step": np.array([1, 2, 3]), "wall_s": np.array([10.0, 5.0, 4.0])}
+    # step 1 (warm-up) left out: (4/5 + 2/4) / 2
+    assert slowest_run_share(runs, steps) == 0.65
+    assert slowest_run_share(runs, {"step": np.array([1]), "wall_s": np.array([10.0])}) is None
+
+
+def test_limits_name_the_saturated_resource_and_the_slowest_run_share():
+    from gyre_hpc.bench.e2e import limits
+
+    runs = {"elastic": [{"slowest_run_share": 0.9}, {"slowest_run_share": 0.8}],
+            "async": [{"slowest_run_share": None}, {"slowest_run_share": 1.0}]}
+    got = limits(runs, {"saturated": "cpu", "note": "load 9.0 on 2 cores"})
+    assert got["saturated"] == "cpu" and got["slowest_run_share"] == {"elastic": 0.85, "async": 1.0}
+    assert "cpu saturated" in got["note"] and "85%-100% of a step" in got["note"]
+    assert limits(runs, {"saturated": None})["note"].startswith("the slowest run")

@@ -44,8 +44,18 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     assert int(runs["restarts"].sum()) == 0                          # ...and none started over
     assert result["recomputed_prefill_tokens"] == 0                  # no moved sequence was re-prefilled
     timeline = read_table(run.metrics, "timeline")
-    moves = [d for e, d in zip(timeline["event"], timeline["detail"]) if e == "migrate"]
-    assert sum(int(d.split()[0]) for d in moves) == result["migrations"]   # each drain is on the timeline
+    moves = [(int(c), int(n), d) for c, e, n, d in zip(timeline["cell"], timeline["event"], timeline["requests"],
+                                                       timeline["detail"]) if e == "migrate"]
+    assert sum(n for _, n, _ in moves) == result["migrations"]   # each drain is on the timeline
+    for source, n, detail in moves:    # ...naming the engines (cell ids) that took the requests
+        assert int(detail.split()[0]) == n and re.search(r"to engines \[(\d+)\]", detail)[1] == str(3 - source)
+    # metrics.h5 says so too, per step (what `gyre-hpc inspect --json` reports)
+    assert list(read_table(run.metrics, "steps")["recomputed_prefill_tokens"]) == [0, 0]
+    from gyre_hpc.rundir.inspect import summarize
+    effects = summarize(run.root).flip_effects
+    assert effects["kv_migrations"] >= 1 and effects["migrated_requests"] == result["migrations"]
+    assert effects["migrated_kv_tokens"] > 0 and effects["run_migrations"] == result["migrations"]
+    assert effects["restarts"] == 0 and effects["recomputed_prefill_tokens"] == 0 and effects["flaps"] == 0
     # The joiner got weights AND optimizer moments: the flip moved the trainer's whole state
     # and every replica holds bit-identical state after each step's update.
     joined = [f for f in result["flips"] if f["to"] == "TRAIN"]

@@ -103,10 +103,11 @@ def test_elastic_reclaims_at_once_when_no_engine_serves_or_arrives():
 
 
 def test_elastic_reclaims_only_after_demand_is_sustained_for_reclaim_after_s():
-    # 6 requests waiting, 1 engine (target 4): one more engine is needed, but only once the
-    # queue has outlasted the hysteresis interval; the rest keep training.
+    # 6 requests of 3 runs (sub-agents call in parallel), 1 engine (target 4): one more engine
+    # is needed, but only once the queue has outlasted the hysteresis interval; the runs
+    # alone fit, so nothing else brings a cell back, and the rest keep training.
     p = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=1.0, reclaim_after_s=30.0))
-    kw = dict(inflight={1: 4}, queued_requests=2, unfinished_runs=6, train_backlog_tokens=BIG_BACKLOG)
+    kw = dict(inflight={1: 4}, queued_requests=2, unfinished_runs=3, train_backlog_tokens=BIG_BACKLOG)
     assert p(state("TRTTT", demand_over_capacity_s=0.0, **kw)) == []     # queued for an instant
     assert p(state("TRTTT", demand_over_capacity_s=29.0, **kw)) == []
     got = p(state("TRTTT", demand_over_capacity_s=30.0, **kw))
@@ -114,9 +115,57 @@ def test_elastic_reclaims_only_after_demand_is_sustained_for_reclaim_after_s():
     assert "demand 6 > 1 engines x 4" in got[0].reason and "30s >= 30s" in got[0].reason
     # Demand above the target with nothing queued (engines hold more than the target) is
     # still demand once sustained.
-    over = state("TRTTT", inflight={1: 6}, unfinished_runs=6, train_backlog_tokens=BIG_BACKLOG,
+    over = state("TRTTT", inflight={1: 6}, unfinished_runs=3, train_backlog_tokens=BIG_BACKLOG,
                  demand_over_capacity_s=31.0)
     assert flips(p(over)) == {4: R}
+
+
+def test_elastic_reclaims_at_once_when_the_unfinished_runs_exceed_the_engines():
+    # A new batch of 12 runs starting on the one engine left from the last batch's tail
+    # (target 16, tail of 3 runs at <= 8 requests an engine): the runs are not a blip, each
+    # calls the model again, so one replica comes back without waiting for reclaim_after_s.
+    p = ElasticPolicy(ElasticParams(target_requests_per_engine=16, reclaim_after_s=30.0))
+    s = state("TRTT", inflight={1: 12}, unfinished_runs=12, tail_runs=3, train_backlog_tokens=0)
+    got = p(s)
+    assert flips(got) == {3: R}
+    assert got[0].reason == ("12 unfinished runs (each calls the model again) exceed 1 engines x 16 "
+                             "with the tail of 3 runs at <= 8 each: 1 more engines")
+    # 8 runs with a tail of 2 hold on one engine (8 <= 16, the tail fits its light engine).
+    assert p(state("TRTT", inflight={1: 8}, unfinished_runs=8, tail_runs=2, train_backlog_tokens=0)) == []
+
+
+def test_elastic_never_undoes_a_release_within_a_batch():
+    # Along a batch the unfinished runs only fall: whatever the requests do, a cell released
+    # at some point of the batch is never reclaimed later in it (sustained request demand
+    # aside, which a release at fill < 1 leaves no room for in these states).
+    import random
+    rng = random.Random(1)
+    p = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=0.8, reclaim_after_s=10.0))
+    for _ in range(200):
+        roles = list("TRRRR")
+        released: set[int] = set()
+        for runs in range(rng.randint(8, 16), -1, -1):
+            on = [i for i, ch in enumerate(roles) if ch == "R"]
+            inflight = {i: 0 for i in on}
+            for _ in range(rng.randint(0, runs)):
+                inflight[rng.choice(on)] += 1
+            s = state("".join(roles), inflight=inflight, unfinished_runs=runs, tail_runs=(runs + 3) // 4,
+                      train_backlog_tokens=BIG_BACKLOG)
+            for ch in p(s):
+                assert not (ch.to is R and ch.cell in released), (runs, roles, ch.reason)
+                roles[ch.cell] = "R" if ch.to is R else "T"
+                if ch.to is T:
+                    released.add(ch.cell)
+
+
+def test_elastic_plans_with_the_work_the_unfinished_runs_will_add():
+    # 1000 tokens waiting alone do not pay an 8.5 s switch; with 50000 more expected from the
+    # runs still rolling out (measured per finished run) the released cell has work to do.
+    s = state("TRRR", inflight={1: 1, 2: 1, 3: 0}, train_backlog_tokens=1000)
+    assert ELASTIC(s) == []
+    got = ELASTIC(dataclasses.replace(s, expected_train_tokens=50_000))
+    assert flips(got) == {2: T, 3: T}       # 2 requests fit the one engine that stays
+    assert "51000 tok (backlog 1000 + 50000 from 2 runs) trains in" in got[0].reason
 
 
 def test_elastic_reclaim_reason_is_true():
@@ -185,7 +234,7 @@ def test_elastic_release_and_reclaim_do_not_flap():
     roles = "".join("T" if i == 0 or i in released else "R" for i in range(5))
     after = state(roles, inflight={1: 3, 2: 3}, train_backlog_tokens=BIG_BACKLOG)
     assert p(after) == []
-    blip = state(roles, inflight={1: 4, 2: 4}, queued_requests=1, unfinished_runs=9, train_backlog_tokens=BIG_BACKLOG)
+    blip = state(roles, inflight={1: 4, 2: 4}, queued_requests=1, unfinished_runs=6, train_backlog_tokens=BIG_BACKLOG)
     assert p(blip) == []
 
 
@@ -332,13 +381,21 @@ def test_every_elastic_reason_states_figures_that_hold():
         inflight = {i: rng.randint(0, 6) for i, ch in enumerate(roles) if ch == "R"}
         s = state(roles, inflight=inflight, queued_requests=rng.choice([0, 0, 3]),
                   unfinished_runs=sum(inflight.values()) + rng.randint(0, 8),
-                  train_backlog_tokens=rng.choice([0, BIG_BACKLOG]), demand_over_capacity_s=rng.choice([0.0, 20.0]))
+                  train_backlog_tokens=rng.choice([0, BIG_BACKLOG]), demand_over_capacity_s=rng.choice([0.0, 20.0]),
+                  tail_runs=rng.randint(0, 3), expected_train_tokens=rng.choice([0, 12_345_678]))
         for ch in p(s):
             m = re.search(r"demand (\d+) > (\d+) engines x (\d+)", ch.reason)
             if m:
                 assert int(m[1]) > int(m[2]) * int(m[3]), ch.reason
                 assert s.demand_over_capacity_s >= 10.0
                 checked += 1
+            m = re.search(r"(\d+) unfinished runs \(each calls the model again\) exceed (\d+) engines x (\d+)",
+                          ch.reason)
+            if m:
+                assert not p.holds_tail(int(m[2]), int(m[1]), s.tail_runs, 1.0), ch.reason
+                assert int(m[1]) == s.unfinished_runs
+                checked += 1
+            assert len(ch.reason) <= 160, ch.reason       # the timeline's detail column keeps it whole
             m = re.search(r"demand (\d+) fits (\d+) engines \(<= ([\d.]+) x (\d+)", ch.reason)
             if m:
                 assert int(m[1]) <= float(m[3]) * int(m[4]) * int(m[2]), ch.reason

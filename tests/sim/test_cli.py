@@ -67,5 +67,7 @@ def test_sim_tune_async_reports_elastic_against_the_fastest_split():
     tuned = rep["async_tuned"]
     assert tuned["train_cells"] in {int(k) for k in tuned["search_h"]}
     assert tuned["search_h"][str(tuned["train_cells"])] == min(tuned["search_h"].values())
-    assert tuned["elastic_over_async_tuned"] == pytest.approx(tuned["total_h"] / rep["total_h"]["elastic"], abs=2e-3)
+    # The ratio comes from unrounded totals; the printed hours are rounded to 3 decimals
+    # (0.080 h: up to 0.6% off), so compare at that resolution.
+    assert tuned["elastic_over_async_tuned"] == pytest.approx(tuned["total_h"] / rep["total_h"]["elastic"], rel=0.015)
     assert set(rep["lower_bound"]["over_bound"]) == {"elastic", "async", "colocate"}
