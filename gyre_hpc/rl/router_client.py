@@ -7,9 +7,11 @@ its pump (``pump``) polls the router between harness steps and resolves the futu
 calls run in worker threads. Seeds come from ``harness.engine_client.RunClient`` (a hash
 of run seed and prompt), so a replayed or resumed run asks for the same samples.
 
-Per run it counts migrations (from each ``Output``) and restarts: a model call of the run
-submitted again for the same prompt, i.e. work redone from scratch. With KV migration a
-flip never causes one; the counter is there so a test can see that.
+Per run it counts migrations (from each ``Output``) and restarts: a request of the run
+routed to an engine a second time, i.e. a model call begun again from scratch (what a flip
+without KV migration would do to the requests in flight). The harness asking twice for the
+same context (two identical sub-agent briefs) is not one: the seed of a prompt is fixed,
+so the second ask is answered identically and on purpose.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ class RouterDriver:
         # first, so a burst of new calls (a batch starting) can bring engines back before
         # it is routed, instead of all landing on the engines that happen to be open.
         self.queue: list[Request] = []
+        self._routed: set[str] = set()
+        self._tags: dict[str, str] = {}
+        self.restarts: Counter = Counter()   # run tag -> requests routed again
 
     def client(self, run_id: str, run_seed: int) -> "CountingRunClient":
         return CountingRunClient(self, run_seed, run_id)
@@ -45,6 +50,7 @@ class RouterDriver:
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], seed: int,
                        tag: str = "r") -> Output:
         rid = f"{tag}-{next(self._ids)}"
+        self._tags[rid] = tag
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                                 seed=seed, stop_token_ids=tuple(stop))
         fut = asyncio.get_running_loop().create_future()
@@ -56,11 +62,16 @@ class RouterDriver:
             return await fut
         finally:
             self._waiting.pop(rid, None)
+            self._routed.discard(rid)
+            self._tags.pop(rid, None)
 
     def dispatch(self) -> int:
         """Route every queued request (least outstanding tokens); returns how many."""
         n = len(self.queue)
         for request in self.queue:
+            if request.request_id in self._routed:
+                self.restarts[self._tags.get(request.request_id, "?")] += 1
+            self._routed.add(request.request_id)
             self.router.submit(request)
         self.queue = []
         return n
@@ -95,14 +106,12 @@ class CountingRunClient(RunClient):
         self.migrations = 0
         self.calls = 0
         self.model_s = 0.0         # wall time spent waiting on model calls
-        self._prompts: Counter = Counter()
 
     @property
     def restarts(self) -> int:
-        return sum(n - 1 for n in self._prompts.values() if n > 1)
+        return self.driver.restarts[self.run_id]
 
     async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
-        self._prompts[hash(tuple(prompt))] += 1
         t0 = time.monotonic()
         out = await self.driver.generate(prompt, max_new_tokens, stop, self.seed_for(prompt), tag=self.run_id)
         self.model_s += time.monotonic() - t0

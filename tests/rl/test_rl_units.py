@@ -185,6 +185,46 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
     assert prefilled == driver.prompt_tokens   # no migrated sequence was recomputed
 
 
+def test_restarts_count_requests_routed_again_not_a_context_asked_twice():
+    """A run asking twice for the same context is answered twice (same seed, same sample)
+    and is no restart; a request of the run routed a second time is one."""
+    router = Router(InProcessEngines({0: TorchEngine(build_model("tiny", seed=0), name="e0", seed=0)}), [0])
+    driver = RouterDriver(router)
+    client = driver.client("run-a", 7)
+
+    async def ask_twice():
+        outs = []
+        for _ in range(2):
+            call = asyncio.create_task(client.complete([257, 65, 66], 4, (258,)))
+            while not call.done():
+                driver.dispatch()
+                driver.pump()
+                await asyncio.sleep(0)
+            outs.append(call.result())
+        return outs
+
+    first, second = asyncio.run(ask_twice())
+    assert first == second and client.calls == 2 and client.restarts == 0
+
+    async def routed_again():
+        call = asyncio.create_task(driver.generate([257, 67], 3, (258,), seed=1, tag="run-a"))
+        await asyncio.sleep(0)
+        request = driver.queue[0]
+        driver.dispatch()
+        lost = []
+        while not lost:                        # the output never reaches the run: lost
+            router.poll()
+            lost = router.pop_finished()
+        driver.queue.append(request)           # begun again from scratch
+        driver.dispatch()
+        while not call.done():
+            driver.pump()
+            await asyncio.sleep(0)
+
+    asyncio.run(routed_again())
+    assert client.restarts == 1 and driver.restarts == {"run-a": 1}
+
+
 def test_requests_wait_for_dispatch_then_spread_over_engines():
     """Calls wait in the queue until dispatch, which spreads a burst over the engines open then."""
     engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
