@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import textwrap
+import time
 
 from gyre_hpc.rundir.metrics import MetricsWriter, StepRow, TimelineRow, read_table
 
@@ -71,3 +72,30 @@ def test_a_file_from_before_a_column_joined_reads_and_appends_with_it(tmp_path):
     tl = read_table(p, "timeline")
     assert list(tl["event"]) == ["flip_end", "migrate"]
     assert list(tl["requests"]) == [0, 3] and list(tl["tokens"]) == [0, 900] and list(tl["bytes"]) == [10, 64]
+
+
+def test_writer_waits_for_a_reader_in_its_own_process(tmp_path):
+    """The progress display reads metrics.h5 from a thread of the head while the supervisor
+    writes its events: HDF5 refuses the writer ("already open for read-only") until the
+    reader closes. Seen crashing ``gyre-hpc run`` at its last event in CI."""
+    import threading
+
+    import h5py
+
+    path = tmp_path / "metrics.h5"
+    with MetricsWriter(path) as w:
+        w.event("start")
+    held = threading.Event()
+
+    def reader():
+        with h5py.File(path, "r", libver="latest", swmr=True):
+            held.set()
+            time.sleep(1.0)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    held.wait(10)
+    with MetricsWriter(path) as w:        # OSError "already open for read-only" without the wait
+        w.event("after")
+    t.join()
+    assert list(read_table(path, "events")["event"]) == ["start", "after"]

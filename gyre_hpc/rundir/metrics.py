@@ -129,13 +129,16 @@ def _open_for_write(path: Path, wait_s: float = 30.0) -> h5py.File:
     """Open for appending, waiting out readers: an SWMR reader (a notebook, ``inspect``, a
     test polling) holds HDF5's file lock while it opens the file, and a writer arriving in that
     moment gets EAGAIN; the head opens the file for each event, so without the wait a reader
-    could crash it."""
+    could crash it. A reader in this process (``gyre-hpc run``'s progress display, a thread
+    beside the supervisor) makes HDF5 refuse the open outright ("already open for read-only")
+    until it closes the file, which it does after each read: waited out the same way."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return h5py.File(path, "a", libver="latest")
-        except BlockingIOError:
-            if time.monotonic() > deadline:
+        except OSError as exc:
+            busy = isinstance(exc, BlockingIOError) or "already open for read-only" in str(exc)
+            if not busy or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 
