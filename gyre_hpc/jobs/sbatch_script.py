@@ -56,6 +56,10 @@ def render_head_script(cfg: RunConfig, job_name: str | None = None, output: str 
         '  if [ -x "${SLURM_SUBMIT_DIR:-.}/.venv/bin/python" ]; then PY="${SLURM_SUBMIT_DIR:-.}/.venv/bin/python"; '
         'else PY=python3; fi',
         "fi",
+        "# USR2 is ignored until python installs its handler (which replaces the ignore): Slurm",
+        "# has been seen to send a requeued job its time-limit warning the moment it restarts, and",
+        "# the default action killed the head before it could resume (job FAILED, JobLaunchFailure).",
+        "trap '' USR2",
         "# exec, not a child: USR2 and SIGTERM must reach the supervisor itself.",
         'exec "$PY" -m gyre_hpc.jobs.head "$@"',
     ]

@@ -40,15 +40,24 @@ def wait_job(job_id: str, timeout: float, until=lambda info: info["JobState"] in
     raise AssertionError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s\n{tail}")
 
 
-def wait_for(predicate, timeout: float, what: str, job_id: str | None = None, log: Path | None = None):
+def wait_for(predicate, timeout: float, what: str, job_id: str | None = None, log: Path | None = None,
+             ended_for_s: float = 10.0):
+    """Poll ``predicate``; fail early once the job has been in a final state for ``ended_for_s``
+    (a requeued het job can show a final state for a moment while Slurm requeues it: seen in
+    CI after the third requeue of the time-limit test)."""
     deadline = time.monotonic() + timeout
+    ended_since = None
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         if job_id is not None and job_info(job_id)["JobState"] in DONE_STATES:
-            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-            raise AssertionError(f"job {job_id} ended while waiting for {what}\n{tail}")
+            ended_since = ended_since if ended_since is not None else time.monotonic()
+            if time.monotonic() - ended_since >= ended_for_s:
+                tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+                raise AssertionError(f"job {job_id} ended while waiting for {what}\n{tail}")
+        else:
+            ended_since = None
         time.sleep(0.2)
     state = ""
     if job_id:
