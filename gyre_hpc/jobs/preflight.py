@@ -19,13 +19,20 @@ WORKLOAD_CHECKS = {"rl": "gyre_hpc.rl.preflight:check_config"}
 WORKLOAD_PREPARES = {"rl": "gyre_hpc.rl.preflight:prepare_config"}
 
 
+def _workload_entry(table: dict[str, str], cfg: RunConfig):
+    """The function ``table`` names for this config's workload, or None."""
+    entry = table.get(cfg.workload)
+    if entry is None:
+        return None
+    module, name = entry.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def check_workload_config(cfg: RunConfig) -> None:
     """ConfigError naming the field when the workload cannot run this config."""
-    entry = WORKLOAD_CHECKS.get(cfg.workload)
-    if entry is None:
-        return
-    module, name = entry.split(":")
-    getattr(importlib.import_module(module), name)(cfg)
+    check = _workload_entry(WORKLOAD_CHECKS, cfg)
+    if check is not None:
+        check(cfg)
 
 
 def prepare_workload_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:
@@ -33,8 +40,5 @@ def prepare_workload_config(cfg: RunConfig, build: bool, log=print) -> RunConfig
 
     ``build=False`` on a login node (``submit``): nothing is trained there, a missing artefact
     is a ConfigError naming what to build."""
-    entry = WORKLOAD_PREPARES.get(cfg.workload)
-    if entry is None:
-        return cfg
-    module, name = entry.split(":")
-    return getattr(importlib.import_module(module), name)(cfg, build, log)
+    prepare = _workload_entry(WORKLOAD_PREPARES, cfg)
+    return cfg if prepare is None else prepare(cfg, build, log)

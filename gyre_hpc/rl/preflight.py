@@ -29,18 +29,7 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def prepare_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:
-    """``cfg`` starting from its warm-start checkpoint when ``warmstart.enabled`` and no
-    ``model.path``: built once and cached when ``build``, else it must be cached already."""
-    from gyre_hpc.warmstart.cache import cached_warmstart, with_warmstart
+    """``cfg`` starting from its warm-start checkpoint (``warmstart.cache.with_warmstart``)."""
+    from gyre_hpc.warmstart.cache import with_warmstart
 
-    if not cfg.warmstart.enabled or cfg.model.path:
-        return cfg
-    if build:
-        return with_warmstart(cfg, log=log)
-    built = cached_warmstart(cfg)
-    if built is None:
-        raise ConfigError(
-            f"warmstart.enabled: no cached warm-start checkpoint under {cfg.warmstart.cache_dir} for this "
-            f"config; build it first inside an allocation (srun gyre-hpc warmstart CONFIG) or set "
-            f"warmstart.enabled=false")
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(built.resolve())})})
+    return with_warmstart(cfg, log=log, build=build)

@@ -41,7 +41,6 @@ class RouterDriver:
         # it is routed, instead of all landing on the engines that happen to be open.
         self.queue: list[Request] = []
         self._routed: set[str] = set()
-        self._tags: dict[str, str] = {}
         self.restarts: Counter = Counter()   # run tag -> requests routed again
 
     def client(self, run_id: str, run_seed: int) -> "CountingRunClient":
@@ -50,7 +49,6 @@ class RouterDriver:
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], seed: int,
                        tag: str = "r") -> Output:
         rid = f"{tag}-{next(self._ids)}"
-        self._tags[rid] = tag
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                                 seed=seed, stop_token_ids=tuple(stop))
         fut = asyncio.get_running_loop().create_future()
@@ -63,14 +61,13 @@ class RouterDriver:
         finally:
             self._waiting.pop(rid, None)
             self._routed.discard(rid)
-            self._tags.pop(rid, None)
 
     def dispatch(self) -> int:
         """Route every queued request (least outstanding tokens); returns how many."""
         n = len(self.queue)
         for request in self.queue:
             if request.request_id in self._routed:
-                self.restarts[self._tags.get(request.request_id, "?")] += 1
+                self.restarts[request.request_id.rsplit("-", 1)[0]] += 1   # the id is "<tag>-<n>"
             self._routed.add(request.request_id)
             self.router.submit(request)
         self.queue = []

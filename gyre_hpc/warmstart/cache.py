@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gyre_hpc.config import RunConfig
+from gyre_hpc.config import ConfigError, RunConfig
 from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
 from gyre_hpc.harness.tasks import load_suite
@@ -122,9 +122,17 @@ def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
     return final
 
 
-def with_warmstart(cfg: RunConfig, log=print) -> RunConfig:
-    """``cfg`` starting from its warm-start checkpoint (unchanged unless enabled and no model.path)."""
+def with_warmstart(cfg: RunConfig, log=print, build: bool = True) -> RunConfig:
+    """``cfg`` starting from its warm-start checkpoint (unchanged unless enabled and no model.path).
+
+    With ``build=False`` (a login node: nothing is trained there) the checkpoint must be
+    cached already; a missing one is a ConfigError naming what to do."""
     if not cfg.warmstart.enabled or cfg.model.path:
         return cfg
-    path = ensure_warmstart(cfg, log=log)
+    path = ensure_warmstart(cfg, log=log) if build else cached_warmstart(cfg)
+    if path is None:
+        raise ConfigError(
+            f"warmstart.enabled: no cached warm-start checkpoint under {cfg.warmstart.cache_dir} for this "
+            f"config; build it first inside an allocation (srun gyre-hpc warmstart CONFIG) or set "
+            f"warmstart.enabled=false")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path.resolve())})})

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyre_hpc.config import build_config
+from gyre_hpc.config import ConfigError, build_config
 from gyre_hpc.harness.tasks import load_suite
 from gyre_hpc.models.checkpoint import load_pretrained
 from gyre_hpc.models.tiny_lm import build_model
@@ -55,7 +55,10 @@ def test_warmstart_refuses_a_suite_the_teacher_does_not_know(tmp_path):
 def test_warmstart_builds_once_and_points_the_run_at_its_checkpoint(tmp_path):
     cfg = _cfg(tmp_path)
     assert cached_warmstart(cfg) is None
+    with pytest.raises(ConfigError, match="warmstart.enabled: no cached warm-start checkpoint"):
+        with_warmstart(cfg, build=False)                     # a login node builds nothing
     path = ensure_warmstart(cfg, log=lambda m: None)
+    assert with_warmstart(cfg, build=False).model.path == str(path.resolve())
     assert cached_warmstart(cfg) == path
     report = json.loads((path / "warmstart.json").read_text())
     assert report["key"] == path.name and report["sft"]["steps"] == 3 and report["teacher"]["reward_mean"] == 1.0
