@@ -119,6 +119,8 @@ class RolloutConfig(_Section):
     context_limit: int = Field(1024, ge=64, le=1 << 30, description="compress the context past this many tokens")
     run_timeout_s: float = Field(120.0, gt=0)
     temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus: sample among the most likely tokens holding this "
+                                                      "much probability (1 = all)")
     engine: Literal["torch", "vllm"] = "torch"
     # rl workload: environment latency added to every tool call a run makes before its next
     # model call (lognormal, seeded per run and turn); 0 = none. Benchmarks use it to give

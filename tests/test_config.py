@@ -130,3 +130,10 @@ def test_unknown_scheduler_parameter_lists_the_valid_ones():
 def test_bad_scheduler_parameter_value_is_refused_naming_it():
     with pytest.raises(ConfigError, match=r"scheduler\.elastic.*target_requests_per_engine"):
         build_config(overrides=["scheduler.elastic={target_requests_per_engine: 0}"])
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
+def test_top_p_outside_the_unit_interval_is_refused(value):
+    with pytest.raises(ConfigError, match=re.escape("rollout.top_p")):
+        build_config(overrides=[f"rollout.top_p={value}"])
+    assert build_config(overrides=["rollout.top_p=0.9"]).rollout.top_p == 0.9

@@ -209,7 +209,8 @@ class RLStepDriver:
         self.transport = CountingEngines(engine_comm, {c.id: c.leader for c in fleet.cells},
                                          reply_timeout_s=fleet.reply_timeout_s)
         self.router = Router(self.transport, [c.id for c in fleet.cells if c.role is Role.ROLLOUT])
-        self.driver = RouterDriver(self.router, temperature=self.cfg.rollout.temperature)
+        self.driver = RouterDriver(self.router, temperature=self.cfg.rollout.temperature,
+                                   top_p=self.cfg.rollout.top_p)
         self.tasks = load_tasks(self.cfg.rollout.tasks)
         self.harness_cfg = HarnessConfig.from_rollout(self.cfg.rollout)
         self.tokenizer = policy_tokenizer(self.cfg)   # prompts in the policy's own chat template
