@@ -11,6 +11,12 @@ prefilled plus every request's remaining decode budget), not in request counts: 
 range from a 50-token tool reply to a 30K-token context, and counting requests would pile
 the long ones onto one engine. The router keeps its own book from what it submitted and the
 token events it saw, so choosing an engine costs no round trip to the cells.
+
+Sessions (``Request.session``, an agent context): the engine that finished a session's last
+call keeps its context's KV (``TorchEngine``), so the session's next call goes back there
+(affinity) while that engine is active, and prefills only its new tokens. A drain moves the
+engine's retained contexts along with its in-flight requests, so a released engine costs
+no run a re-prefill of its whole context; ``forget`` drops the contexts of a finished run.
 """
 from __future__ import annotations
 
@@ -46,6 +52,10 @@ class MigrationResult:
     bytes: int = 0                           # KV cache bytes moved
     seconds: float = 0.0
     kv_tokens: int = 0                       # cached tokens moved (prompt + output - 1 per sequence)
+    moved_sessions: Mapping[str, int] = field(default_factory=dict)   # session -> destination engine
+    gone_sessions: tuple[str, ...] = ()      # planned contexts the source no longer held
+    session_kv_tokens: int = 0               # retained-context tokens moved
+    session_bytes: int = 0
 
 
 class EngineTransport(Protocol):
@@ -58,8 +68,16 @@ class EngineTransport(Protocol):
     def close_admission(self, engine: int) -> list[str]:
         """Stop the engine admitting requests; return the ids it has in flight."""
 
-    def migrate(self, source: int, plan: Mapping[str, int]) -> MigrationResult:
-        """Export each planned request from ``source`` and import it on its destination."""
+    def retained_sessions(self, engine: int) -> list[str]:
+        """Sessions whose context the engine holds."""
+
+    def migrate(self, source: int, plan: Mapping[str, int], sessions: Mapping[str, int] | None = None
+                ) -> MigrationResult:
+        """Export each planned request (and retained session) from ``source`` and import it
+        on its destination."""
+
+    def forget(self, engine: int, sessions: list[str]) -> None:
+        """Drop these sessions' retained contexts on the engine."""
 
     def open(self, engine: int) -> None: ...
 
@@ -82,6 +100,7 @@ class Router:
         self._active: list[int] = sorted(set(engines))
         self._tracked: dict[str, _Tracked] = {}
         self._outputs: list[Output] = []
+        self._home: dict[str, int] = {}       # session -> engine that holds its context
         self.migrations: list[MigrationResult] = []
 
     # -- routing -------------------------------------------------------------------------
@@ -96,10 +115,22 @@ class Router:
     def inflight(self, engine: int | None = None) -> list[str]:
         return [rid for rid, t in self._tracked.items() if engine is None or t.engine == engine]
 
-    def choose(self) -> int:
-        """The active engine with the least outstanding tokens (ties: fewer requests, lower id)."""
+    @property
+    def sessions(self) -> dict[str, int]:
+        """Session -> the engine holding its retained context, as the router booked it."""
+        return dict(self._home)
+
+    def session_home(self, session: str) -> int | None:
+        return self._home.get(session)
+
+    def choose(self, request: Request | None = None) -> int:
+        """The engine holding the request's session context if it is active (affinity), else
+        the active engine with the least outstanding tokens (ties: fewer requests, lower id)."""
         if not self._active:
             raise RuntimeError("router has no ROLLOUT engine to route to: every engine is drained or none was added")
+        home = self._home.get(request.session) if request is not None and request.session is not None else None
+        if home in self._active:
+            return home
         loads = {e: self.outstanding_tokens(e) for e in self._active}
         counts = {e: 0 for e in self._active}
         for t in self._tracked.values():
@@ -111,7 +142,7 @@ class Router:
         if request.request_id in self._tracked:
             raise ValueError(f"router: request_id {request.request_id!r} is already in flight on engine "
                              f"{self._tracked[request.request_id].engine}")
-        engine = self.choose()
+        engine = self.choose(request)
         self.transport.submit(engine, request)
         self._tracked[request.request_id] = _Tracked(request, engine)
         return engine
@@ -127,7 +158,11 @@ class Router:
                     t.prefilled = True
                 events.append(ev)
             for out in report.outputs:
-                self._tracked.pop(out.request_id, None)
+                t = self._tracked.pop(out.request_id, None)
+                # An output a drained engine sent before it closed: its context moved with
+                # the drain, which booked the new home already.
+                if t is not None and t.request.session is not None and report.engine in self._active:
+                    self._home[t.request.session] = report.engine
                 self._outputs.append(out)
         return events
 
@@ -168,13 +203,45 @@ class Router:
             loads[dest] += self._cost(rid)
         return plan
 
+    def plan_sessions(self, source: int, sessions: Iterable[str]) -> dict[str, int]:
+        """Each retained context onto the remaining engine holding the fewest (then least
+        loaded): its next call will run there. Without another engine they are dropped."""
+        dests = [e for e in self._active if e != source]
+        if not dests:
+            return {}
+        held = {e: 0 for e in dests}
+        for e in self._home.values():
+            if e in held:
+                held[e] += 1
+        loads = {e: self.outstanding_tokens(e) for e in dests}
+        plan: dict[str, int] = {}
+        for session in sessions:
+            dest = min(dests, key=lambda e: (held[e], loads[e], e))
+            plan[session] = dest
+            held[dest] += 1
+        return plan
+
+    def forget(self, sessions: Iterable[str]) -> int:
+        """Drop these sessions' retained contexts (their run ended), so they take no memory
+        and never migrate; returns how many the router had booked."""
+        by_engine: dict[int, list[str]] = {}
+        for session in sessions:
+            engine = self._home.pop(session, None)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(session)
+        for engine, dropped in by_engine.items():
+            self.transport.forget(engine, dropped)
+        return sum(len(v) for v in by_engine.values())
+
     def _cost(self, rid: str) -> int:
         t = self._tracked.get(rid)
         return t.outstanding if t is not None else 0
 
     def drain(self, engine: int) -> MigrationResult:
         """A ROLLOUT cell leaves (to train): stop routing to it, move every in-flight
-        sequence with its KV cache to the remaining engines, where it continues."""
+        sequence with its KV cache to the remaining engines, where it continues, and every
+        retained session context (what the engine itself reports holding) to where the
+        session's next call will go."""
         if engine in self._active:
             self._active.remove(engine)
         inflight = self.transport.close_admission(engine)
@@ -182,9 +249,13 @@ class Router:
         if unknown:
             raise RuntimeError(f"router: engine {engine} holds requests the router never routed: {unknown[:5]}")
         plan = self.plan_drain(engine, inflight)
-        result = self.transport.migrate(engine, plan)
+        sessions = self.plan_sessions(engine, self.transport.retained_sessions(engine))
+        result = self.transport.migrate(engine, plan, sessions)
         for rid, dest in result.moved.items():
             self._tracked[rid].engine = dest
+        for session in [s for s, e in self._home.items() if e == engine]:
+            del self._home[session]         # held there no more: moved (booked below) or lost
+        self._home.update(result.moved_sessions)
         self.migrations.append(result)
         return result
 
@@ -212,7 +283,15 @@ class InProcessEngines:
         eng.close_admission()
         return eng.request_ids()
 
-    def migrate(self, source: int, plan: Mapping[str, int]) -> MigrationResult:
+    def retained_sessions(self, engine: int) -> list[str]:
+        return self.engines[engine].retained_sessions()
+
+    def forget(self, engine: int, sessions: list[str]) -> None:
+        for session in sessions:
+            self.engines[engine].drop_session(session)
+
+    def migrate(self, source: int, plan: Mapping[str, int], sessions: Mapping[str, int] | None = None
+                ) -> MigrationResult:
         t0 = time.perf_counter()
         src = self.engines[source]
         moved, gone, at_move, nbytes, kv_tokens = {}, [], {}, 0, 0
@@ -229,7 +308,19 @@ class InProcessEngines:
             at_move[rid] = len(state.token_ids)
             nbytes += state.nbytes
             kv_tokens += state.cached_len
-        return MigrationResult(source, moved, tuple(gone), at_move, nbytes, time.perf_counter() - t0, kv_tokens)
+        held = set(src.retained_sessions())
+        moved_s, gone_s, s_tokens, s_bytes = {}, [], 0, 0
+        for session, dest in (sessions or {}).items():
+            if session not in held:
+                gone_s.append(session)
+                continue
+            state = src.export_session(session)
+            self.engines[dest].import_session(state)
+            moved_s[session] = dest
+            s_tokens += state.cached_len
+            s_bytes += state.nbytes
+        return MigrationResult(source, moved, tuple(gone), at_move, nbytes, time.perf_counter() - t0, kv_tokens,
+                               moved_s, tuple(gone_s), s_tokens, s_bytes)
 
     def open(self, engine: int) -> None:
         self.engines[engine].open()
