@@ -39,6 +39,7 @@ class EngineReport:
     # reported). Read with the events, a request's token 0 and the prefill behind it arrive
     # together, so prefill beyond the first-token prompts is exactly what was recomputed.
     prefill_tokens: int = -1
+    cached_prompt_tokens: int = -1           # likewise the engine's ``cached_prompt_tokens``
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,9 @@ class InProcessEngines:
             events = eng.step() if eng.has_unfinished() else []
             outputs = eng.pop_finished()
             if events or outputs:
-                reports.append(EngineReport(idx, tuple(events), tuple(outputs), eng.counters().prefill_tokens))
+                c = eng.counters()
+                reports.append(EngineReport(idx, tuple(events), tuple(outputs), c.prefill_tokens,
+                                            c.cached_prompt_tokens))
         return reports
 
     def close_admission(self, engine: int) -> list[str]:

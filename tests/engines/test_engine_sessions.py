@@ -176,3 +176,40 @@ def test_forget_drops_a_finished_runs_contexts_so_they_do_not_migrate(model_dir)
     assert router.forget(["r0/main", "r0/sub1"]) == 2
     assert all(e.retained_sessions() == [] for e in engines.values())
     assert router.drain(home).moved_sessions == {}
+
+
+@pytest.mark.mpi
+def test_drain_over_mpi_moves_a_retained_session_that_then_continues_without_recompute(model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_engine_migration_mpi import mpi_env
+
+    here = Path(__file__).parent
+    first = list(prompt(3))
+    (Path(model_dir) / "session_prompt.json").write_text(json.dumps(first))
+    out_path = tmp_path / "result.json"
+    proc = subprocess.run(["mpiexec", "-n", "3", "--oversubscribe", sys.executable, str(here / "mpi_session_program.py"),
+                           str(model_dir), str(out_path)], env=mpi_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out_path.read_text())
+    held = len(first) + len(r["first_output"]) - 1
+    assert r["home"] == 1 and r["held_before"] == ["r0/main"]
+    assert r["moved"] == {} and r["moved_sessions"] == {"r0/main": 2}
+    assert r["session_kv_tokens"] == held and r["session_bytes"] > 0 and r["source_after"] == []
+    assert r["routed"] == 2
+    cached = r["after"]["cached_prompt_tokens"] - r["before"]["cached_prompt_tokens"]
+    assert cached == held
+    assert r["after"]["prefill_tokens"] - r["before"]["prefill_tokens"] == len(r["second"]) - held
+    ref = _engine(model_dir, "fresh").generate(Request("c1", tuple(r["second"]), sampled_params(2)))
+    assert r["second_output"] == list(ref.token_ids)
+    assert max(abs(a - b) for a, b in zip(r["second_logprobs"], ref.logprobs)) < 1e-5
+    assert r["forgotten"] == 1 and r["dest_after_forget"] == []
+
+
+def sampled_params(seed: int):
+    from mpi_session_program import params
+
+    return params(seed)
