@@ -185,6 +185,40 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
     assert prefilled == driver.prompt_tokens   # no migrated sequence was recomputed
 
 
+def test_an_agents_calls_reuse_its_context_on_its_engine_and_forget_run_drops_it(tmp_path):
+    """Each call of a run's main agent goes back to the engine that holds its context and
+    prefills only what the previous prompt + output did not cover; every prompt token is
+    filled once (computed or served from the context), and forget_run drops that run's."""
+    engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
+    router = Router(InProcessEngines(engines), [0, 1])
+    driver = RouterDriver(router)
+    task = Task("t", "say ok", (TaskTest("ok", "assert True"),), max_turns=3)
+    cfg = HarnessConfig(max_new_tokens=16, context_limit=512, run_timeout_s=60)
+    clients = [driver.client(f"r{i}", 100 + i) for i in range(2)]
+
+    async def main():
+        runs = [asyncio.create_task(AgentRun(task, tmp_path / f"w{i}", c, tmp_path / f"j{i}.jsonl", cfg,
+                                             run_id=f"r{i}").run()) for i, c in enumerate(clients)]
+        while not all(r.done() for r in runs):
+            driver.dispatch()
+            driver.pump()
+            await asyncio.sleep(0)
+        return [r.result() for r in runs]
+
+    results = asyncio.run(main())
+    assert all(len(r.calls) == 3 for r in results)
+    expected = sum(len(prev.prompt) + len(prev.output) - 1 for r in results for prev in r.calls[:-1])
+    cached = sum(e.counters().cached_prompt_tokens for e in engines.values())
+    prefilled = sum(e.counters().prefill_tokens for e in engines.values())
+    assert cached == expected > 0
+    assert prefilled + cached == driver.prompt_tokens
+    assert set(router.sessions) == {"r0/main", "r1/main"}
+    home = router.session_home("r0/main")
+    assert driver.forget_run("r0") == 1 and set(router.sessions) == {"r1/main"}
+    assert "r0/main" not in engines[home].retained_sessions()
+    assert router.session_home("r1/main") is not None
+
+
 def test_restarts_count_requests_routed_again_not_a_context_asked_twice():
     """A run asking twice for the same context is answered twice (same seed, same sample)
     and is no restart; a request of the run routed a second time is one."""
