@@ -730,8 +730,13 @@ class RLStepDriver:
         # Prompt tokens prefilled more than once across engines (computed, or served from a
         # retained context): 0 unless a migrated sequence was recomputed instead of continued
         # from its KV cache.
-        prefilled = sum(c.prefill_tokens + c.cached_prompt_tokens for c in self.engine_counters.values())
+        cached = sum(c.cached_prompt_tokens for c in self.engine_counters.values())
+        prefilled = sum(c.prefill_tokens for c in self.engine_counters.values()) + cached
         self.result.recomputed_prefill_tokens = prefilled - self.driver.prompt_tokens
+        self.result.cached_prompt_tokens = cached
+        print(f"[rl] prompt tokens {self.driver.prompt_tokens}: {cached} served from retained session contexts "
+              f"({cached / max(self.driver.prompt_tokens, 1):.0%}), {prefilled - cached} prefilled, "
+              f"{self.result.recomputed_prefill_tokens} recomputed", flush=True)
         if self._loop is not None:
             self._loop.close()
             self._loop = None
