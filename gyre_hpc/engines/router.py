@@ -297,33 +297,29 @@ class InProcessEngines:
                 ) -> MigrationResult:
         t0 = time.perf_counter()
         src = self.engines[source]
-        moved, gone, at_move, nbytes, kv_tokens = {}, [], {}, 0, 0
-        inflight = set(src.request_ids())
-        for rid, dest in plan.items():
-            if rid not in inflight:
-                gone.append(rid)
+        # Index 0: in-flight requests, 1: retained session contexts.
+        held = (set(src.request_ids()), set(src.retained_sessions()))
+        moved, gone, nbytes, kv_tokens, at_move = ({}, {}), ([], []), [0, 0], [0, 0], {}
+        items = [(rid, dest, 0) for rid, dest in plan.items()]
+        items += [(session, dest, 1) for session, dest in (sessions or {}).items()]
+        for key, dest, kind in items:
+            if key not in held[kind]:
+                gone[kind].append(key)
                 continue
-            state = src.kv_export(rid)
-            # kv_import copies the cache into the destination's own buffers, so no
-            # tensor is shared between the two engines.
-            self.engines[dest].kv_import(state)
-            moved[rid] = dest
-            at_move[rid] = len(state.token_ids)
-            nbytes += state.nbytes
-            kv_tokens += state.cached_len
-        held = set(src.retained_sessions())
-        moved_s, gone_s, s_tokens, s_bytes = {}, [], 0, 0
-        for session, dest in (sessions or {}).items():
-            if session not in held:
-                gone_s.append(session)
-                continue
-            state = src.export_session(session)
-            self.engines[dest].import_session(state)
-            moved_s[session] = dest
-            s_tokens += state.cached_len
-            s_bytes += state.nbytes
-        return MigrationResult(source, moved, tuple(gone), at_move, nbytes, time.perf_counter() - t0, kv_tokens,
-                               moved_s, tuple(gone_s), s_tokens, s_bytes)
+            # Imports copy the cache into the destination's own buffers, so no tensor is
+            # shared between the two engines.
+            if kind:
+                state = src.export_session(key)
+                self.engines[dest].import_session(state)
+            else:
+                state = src.kv_export(key)
+                self.engines[dest].kv_import(state)
+                at_move[key] = len(state.token_ids)
+            moved[kind][key] = dest
+            nbytes[kind] += state.nbytes
+            kv_tokens[kind] += state.cached_len
+        return MigrationResult(source, moved[0], tuple(gone[0]), at_move, nbytes[0], time.perf_counter() - t0,
+                               kv_tokens[0], moved[1], tuple(gone[1]), kv_tokens[1], nbytes[1])
 
     def open(self, engine: int) -> None:
         self.engines[engine].open()
