@@ -204,12 +204,16 @@ class Router:
             loads[dest] += self._cost(rid)
         return plan
 
-    def plan_sessions(self, source: int, sessions: Iterable[str]) -> dict[str, int]:
+    def plan_sessions(self, source: int, sessions: Iterable[str],
+                      pinned: Mapping[str, int] | None = None) -> dict[str, int]:
         """Each retained context onto the remaining engine holding the fewest (then least
-        loaded): its next call will run there. Without another engine they are dropped."""
+        loaded): its next call will run there. A session with a call moving in the same
+        drain (``pinned``: a queued call not yet prefilled) follows that call. Without
+        another engine they are dropped."""
         dests = [e for e in self._active if e != source]
         if not dests:
             return {}
+        pinned = pinned or {}
         held = {e: 0 for e in dests}
         for e in self._home.values():
             if e in held:
@@ -217,7 +221,9 @@ class Router:
         loads = {e: self.outstanding_tokens(e) for e in dests}
         plan: dict[str, int] = {}
         for session in sessions:
-            dest = min(dests, key=lambda e: (held[e], loads[e], e))
+            dest = pinned.get(session)
+            if dest not in held:
+                dest = min(dests, key=lambda e: (held[e], loads[e], e))
             plan[session] = dest
             held[dest] += 1
         return plan
@@ -250,7 +256,9 @@ class Router:
         if unknown:
             raise RuntimeError(f"router: engine {engine} holds requests the router never routed: {unknown[:5]}")
         plan = self.plan_drain(engine, inflight)
-        sessions = self.plan_sessions(engine, self.transport.retained_sessions(engine))
+        calls = {self._tracked[rid].request.session: dest for rid, dest in plan.items()
+                 if self._tracked[rid].request.session is not None}
+        sessions = self.plan_sessions(engine, self.transport.retained_sessions(engine), calls)
         result = self.transport.migrate(engine, plan, sessions)
         for rid, dest in result.moved.items():
             self._tracked[rid].engine = dest

@@ -213,3 +213,29 @@ def sampled_params(seed: int):
     from mpi_session_program import params
 
     return params(seed)
+
+
+def test_a_queued_call_and_its_sessions_context_move_to_the_same_engine(model_dir):
+    """Drained before its prefill, a session's call lands where its context lands, and
+    prefills only its new tokens there."""
+    engines = {i: _engine(model_dir, f"e{i}") for i in range(3)}
+    router = Router(InProcessEngines(engines), [2])
+    router.submit(Request("x0", prompt(1), sampled(6, seed=0), session="x"))   # engine 2 holds a context
+    router.run_until_done()
+    router.add_engine(0)
+    first = prompt(2)
+    assert router.submit(Request("c0", first, sampled(8, seed=1), session="s")) == 0
+    out1 = router.run_until_done()[0]
+    router.add_engine(1)
+    second = _second_prompt(first, out1)
+    assert router.submit(Request("c1", second, sampled(8, seed=3), session="s")) == 0   # queued, not stepped
+    assert router.submit(Request("other", prompt(4), sampled(30, seed=2))) == 1
+    # The call goes to 2 (least loaded); alone, the context would go to 1 (holding the fewest).
+    before = engines[2].counters()
+    result = router.drain(0)
+    assert result.moved == {"c1": 2} and result.moved_sessions == {"s": 2}
+    router.run_until_done()
+    after = engines[2].counters()
+    held = len(first) + len(out1.token_ids) - 1
+    assert after.cached_prompt_tokens - before.cached_prompt_tokens == held
+    assert after.prefill_tokens - before.prefill_tokens == len(second) - held
