@@ -322,7 +322,10 @@ class MPIEngines:
         return list(self.call(engine, "sessions"))
 
     def forget(self, engine: int, sessions: list[str]) -> None:
-        self._send(engine, "forget", list(sessions))
+        # A stopped engine was drained first (its contexts moved), and a run may end while
+        # the fleet pauses engines: nothing to tell it, and it must not fail that run.
+        if engine not in self._stopped:
+            self._send(engine, "forget", list(sessions))
 
     def migrate(self, source: int, plan: Mapping[str, int], sessions: Mapping[str, int] | None = None
                 ) -> MigrationResult:
