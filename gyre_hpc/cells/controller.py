@@ -59,6 +59,7 @@ class FleetResult:
     train_comm_checks: int = 0
     migrations: int = 0                 # in-flight requests moved with their KV cache
     recomputed_prefill_tokens: int = 0  # prompt tokens prefilled twice (0 unless a move recomputed)
+    cached_prompt_tokens: int = 0       # prompt tokens served from retained session contexts, not prefilled
 
 
 class StepDriver(Protocol):

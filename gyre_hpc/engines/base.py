@@ -145,6 +145,27 @@ class Engine(ABC):
     @abstractmethod
     def kv_layout(self) -> KVLayout: ...
 
+    # -- retained sessions (agent contexts kept between calls) -----------------------------
+    # The default engine retains none: nothing to move when it is released. An engine with
+    # its own prefix cache that cannot hand it out (vLLM) keeps this default; its cache
+    # serves the calls routed back to it, and a released engine's cache is simply lost.
+    def retained_sessions(self) -> list[str]:
+        """Sessions whose context this engine holds, least recently used first."""
+        return []
+
+    def export_session(self, session: str) -> KVState:
+        """Remove a session's retained context and return it (``KVState.retained``) for
+        ``import_session`` on another engine with the same ``kv_layout``."""
+        raise KeyError(f"engine {self.name} retains no session contexts (asked for {session!r})")
+
+    def import_session(self, state: KVState) -> None:
+        """Hold a retained context exported by another engine, as if this engine had computed it."""
+        raise EngineError(f"engine {self.name} retains no session contexts; it cannot import {state.request_id!r}")
+
+    def drop_session(self, session: str) -> bool:
+        """Forget a session's retained context (its run ended); True if one was held."""
+        return False
+
     def drain(self) -> list[KVState]:
         """Stop admitting and export every in-flight sequence (the rollout -> train flip)."""
         self.close_admission()

@@ -16,6 +16,11 @@ KV connector): the destination re-prefills prompt + tokens[:-1], then continues.
 a prefix of a token-major buffer is contiguous, so exporting a cache is a view, not a copy,
 and a transport can stream it in chunks straight from the engine's memory.
 
+A session's *retained context* (an agent context an engine keeps between calls, see
+``TorchEngine``) travels as a KVState too, with ``retained=True``: its request carries the
+session and the context as ``prompt_ids``, it has no tokens, and ``kv`` covers the whole
+context (``cached_len == prompt_len``). It is not a sequence to continue but a cache to keep.
+
 The wire form (``to_wire``/``from_wire``) is a small picklable header plus a list of
 contiguous tensors, so a transport can move the bulk as raw buffers (MPI Send/Recv) without
 pickling megabytes of cache.
@@ -69,6 +74,7 @@ class KVState:
     policy_version: int = 0
     migrations: int = 0
     source: str = ""                 # engine that exported it, for logs
+    retained: bool = False           # a session's retained context, not an in-flight sequence
 
     @property
     def request_id(self) -> str:
@@ -93,6 +99,9 @@ class KVState:
     def check(self) -> None:
         """Raise ValueError naming the field if the state is not one an engine can continue."""
         rid = self.request_id
+        if self.retained:
+            self._check_retained()
+            return
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"KVState {rid}: {len(self.logprobs)} logprobs for {len(self.token_ids)} token_ids")
         if self.remaining_tokens < 0:
@@ -102,15 +111,27 @@ class KVState:
             return  # never prefilled, or a state whose cache did not travel (the destination recomputes it)
         if not self.token_ids:
             raise ValueError(f"KVState {rid}: has a kv cache but no token_ids; the first token is sampled at prefill")
+        self._check_kv(self.request.prompt_len + len(self.token_ids) - 1, "prompt_len + len(token_ids) - 1")
+
+    def _check_retained(self) -> None:
+        rid = self.request_id
+        if self.request.session is None:
+            raise ValueError(f"KVState {rid}: a retained context needs request.session")
+        if self.token_ids or not self.kv:
+            raise ValueError(f"KVState {rid}: a retained context has kv and no token_ids "
+                             f"(got {len(self.token_ids)} tokens, {len(self.kv)} kv layers)")
+        self._check_kv(self.request.prompt_len, "prompt_len")
+
+    def _check_kv(self, want_len: int, rule: str) -> None:
+        rid = self.request_id
         if len(self.kv) != self.layout.n_layers:
             raise ValueError(f"KVState {rid}: kv has {len(self.kv)} layers, layout.n_layers={self.layout.n_layers}")
-        want_len = self.request.prompt_len + len(self.token_ids) - 1
         want = (want_len, self.layout.n_heads, self.layout.head_dim)
         for i, (k, v) in enumerate(self.kv):
             for name, t in (("k", k), ("v", v)):
                 if tuple(t.shape) != want:
                     raise ValueError(f"KVState {rid}: kv[{i}].{name} has shape {tuple(t.shape)}, expected {want} "
-                                     f"(prompt_len + len(token_ids) - 1, heads, head_dim)")
+                                     f"({rule}, heads, head_dim)")
                 if t.dtype != self.layout.torch_dtype():
                     raise ValueError(f"KVState {rid}: kv[{i}].{name} is {t.dtype}, layout.dtype={self.layout.dtype}")
 
@@ -134,6 +155,7 @@ def to_wire(state: KVState) -> tuple[dict, list[torch.Tensor]]:
     header = {
         "request_id": state.request.request_id,
         "prompt_ids": list(state.request.prompt_ids),
+        "session": state.request.session,
         "params": {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p,
                    "seed": p.seed, "stop_token_ids": list(p.stop_token_ids)},
         "layout": {"n_layers": state.layout.n_layers, "n_heads": state.layout.n_heads,
@@ -146,6 +168,7 @@ def to_wire(state: KVState) -> tuple[dict, list[torch.Tensor]]:
         "policy_version": state.policy_version,
         "migrations": state.migrations,
         "source": state.source,
+        "retained": state.retained,
     }
     tensors = [t.contiguous() for kv in state.kv for t in kv]
     return header, tensors
@@ -163,11 +186,13 @@ def alloc_wire(header: dict) -> list[torch.Tensor]:
 
 def from_wire(header: dict, tensors: list[torch.Tensor]) -> KVState:
     request = Request(header["request_id"], tuple(header["prompt_ids"]), SamplingParams(
-        **{**header["params"], "stop_token_ids": tuple(header["params"]["stop_token_ids"])}))
+        **{**header["params"], "stop_token_ids": tuple(header["params"]["stop_token_ids"])}),
+        session=header["session"])
     kv = tuple((tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2))
     state = KVState(
         request=request, layout=KVLayout(**header["layout"]), token_ids=tuple(header["token_ids"]),
         logprobs=tuple(header["logprobs"]), kv=kv, seed=header["seed"], rng_state=header["rng_state"],
-        policy_version=header["policy_version"], migrations=header["migrations"], source=header["source"])
+        policy_version=header["policy_version"], migrations=header["migrations"], source=header["source"],
+        retained=header["retained"])
     state.check()
     return state

@@ -12,11 +12,17 @@ Message flow of a drain (controller C, source engine rank S, destination ranks D
 
     C -> S   close                  S stops admitting and stops decoding
     S -> C   closed [request ids]   (after every event S produced before it: same tag, in order)
-    C        plans request -> destination (least outstanding tokens)
-    C -> S   send_states [(rid, Dk)]      C -> Dk  recv_states [(rid, S)]
+    C -> S   sessions               S -> C  sessions [retained session ids]
+    C        plans request -> destination (least outstanding tokens), session -> destination
+    C -> S   send_states [(key, Dk, is_session)]      C -> Dk  recv_states [(key, S)]
     S -> Dk  header + KV chunks (kv_transfer), point to point, never through C
     S -> C   sent {...}             Dk -> C  received {...}
-    Dk       continues decoding the imported sequences (no prefill)
+    Dk       continues decoding the imported sequences (no prefill); holds the imported
+             session contexts for those sessions' next calls
+
+In-flight requests stream first, then retained session contexts, one KVState each (the
+same wire form and chunked send); a session's next call is routed to its new engine only
+after the drain returned, so it never arrives before its context.
 
 Because S's events and its replies share one tag, C has seen every token S produced before
 it sees S's reply; D's reply precedes its first event for an imported sequence. So the
@@ -37,7 +43,8 @@ from gyre_hpc.engines.requests import Request
 from gyre_hpc.engines.router import EngineReport, MigrationResult
 
 CMD_TAG = 7001   # controller -> engine
-UP_TAG = 7002    # engine -> controller: ("events", events, outputs, prefill_tokens) or ("reply", op, payload)
+UP_TAG = 7002    # engine -> controller: ("events", events, outputs, prefill, cached) or ("reply", op, payload)
+NO_REPLY = ("submit", "forget")   # commands answered only when they fail
 
 _IDLE_SLEEP_S = 0.0005
 _IDLE_SLEEP_MAX_S = 0.005
@@ -86,7 +93,9 @@ def serve_engine(engine: Engine, comm, controller: int = 0, chunk_bytes: int | N
         if events or outputs:
             # The prefill counter travels with the events of the same step, so the controller
             # can tell a first prefill (a request's token 0) from a recomputed one exactly.
-            comm.send(("events", events, outputs, engine.counters().prefill_tokens), dest=controller, tag=UP_TAG)
+            counters = engine.counters()
+            comm.send(("events", events, outputs, counters.prefill_tokens, counters.cached_prompt_tokens),
+                      dest=controller, tag=UP_TAG)
     return engine.counters()
 
 
@@ -112,7 +121,7 @@ class _EngineServer:
         except Exception as exc:  # noqa: BLE001 - reported to the controller, which raises it
             self.reply("error", f"{op}: {type(exc).__name__}: {exc}")
             return
-        if op != "submit":
+        if op not in NO_REPLY:
             self.reply(op, result)
 
     def op_submit(self, request: Request):
@@ -123,20 +132,38 @@ class _EngineServer:
         self.decoding = False  # its sequences are about to move; they continue at the destination
         return self.engine.request_ids()
 
-    def op_send_states(self, plan: list[tuple[str, int]]):
+    def op_forget(self, sessions: list[str]):
+        for session in sessions:
+            self.engine.drop_session(session)
+
+    def op_sessions(self, _):
+        return self.engine.retained_sessions()
+
+    def op_send_states(self, plan: list[tuple[str, int, bool]]):
         moved, gone, at_move, nbytes, kv_tokens, t0 = {}, [], {}, 0, 0, time.perf_counter()
+        sessions, s_gone, s_tokens, s_bytes = {}, [], 0, 0
         inflight = set(self.engine.request_ids())
-        for rid, dest in plan:
-            state = self.engine.kv_export(rid) if rid in inflight else None
+        held = set(self.engine.retained_sessions())
+        for key, dest, is_session in plan:
+            if is_session:
+                state = self.engine.export_session(key) if key in held else None
+            else:
+                state = self.engine.kv_export(key) if key in inflight else None
             stats = send_kv_state(self.comm, state, dest, **self.kw)
             if state is None:
-                gone.append(rid)
+                (s_gone if is_session else gone).append(key)
+            elif is_session:
+                sessions[key] = dest
+                s_bytes += stats.bytes
+                s_tokens += state.cached_len
             else:
-                moved[rid], at_move[rid] = dest, len(state.token_ids)
+                moved[key], at_move[key] = dest, len(state.token_ids)
                 nbytes += stats.bytes
                 kv_tokens += state.cached_len
         return {"moved": moved, "gone": gone, "tokens_at_move": at_move, "bytes": nbytes, "kv_tokens": kv_tokens,
-                "seconds": time.perf_counter() - t0, "outputs": self.engine.pop_finished()}
+                "seconds": time.perf_counter() - t0, "outputs": self.engine.pop_finished(),
+                "sessions": sessions, "gone_sessions": s_gone, "session_kv_tokens": s_tokens,
+                "session_bytes": s_bytes}
 
     def op_recv_states(self, items: list[tuple[str, int]]):
         imported, failed, t0 = [], [], time.perf_counter()
@@ -147,7 +174,7 @@ class _EngineServer:
             if state is None:
                 continue
             try:
-                self.engine.kv_import(state)
+                (self.engine.import_session if state.retained else self.engine.kv_import)(state)
                 imported.append(rid)
             except (ValueError, EngineError) as exc:
                 failed.append(f"{rid}: {exc}")
@@ -171,7 +198,8 @@ class _EngineServer:
         self.engine.wake()
 
     def op_stats(self, _):
-        return {"counters": self.engine.counters(), "load": self.engine.load()}
+        return {"counters": self.engine.counters(), "load": self.engine.load(),
+                "sessions": self.engine.retained_sessions()}
 
     def op_stop(self, _):
         self.stopped = True
@@ -212,7 +240,7 @@ class MPIEngines:
         rank = status.Get_source()
         msg = self.comm.recv(source=rank, tag=UP_TAG)
         if msg[0] == "events":
-            self._pending.append(EngineReport(self._engine_of[rank], tuple(msg[1]), tuple(msg[2]), msg[3]))
+            self._pending.append(EngineReport(self._engine_of[rank], tuple(msg[1]), tuple(msg[2]), msg[3], msg[4]))
             return None
         return (self._engine_of[rank],) + tuple(msg[1:])
 
@@ -290,13 +318,25 @@ class MPIEngines:
     def close_admission(self, engine: int) -> list[str]:
         return list(self.call(engine, "close"))
 
-    def migrate(self, source: int, plan: Mapping[str, int]) -> MigrationResult:
+    def retained_sessions(self, engine: int) -> list[str]:
+        return list(self.call(engine, "sessions"))
+
+    def forget(self, engine: int, sessions: list[str]) -> None:
+        # A stopped engine was drained first (its contexts moved), and a run may end while
+        # the fleet pauses engines: nothing to tell it, and it must not fail that run.
+        if engine not in self._stopped:
+            self._send(engine, "forget", list(sessions))
+
+    def migrate(self, source: int, plan: Mapping[str, int], sessions: Mapping[str, int] | None = None
+                ) -> MigrationResult:
+        items = [(rid, dest, False) for rid, dest in plan.items()]
+        items += [(session, dest, True) for session, dest in (sessions or {}).items()]
         by_dest: dict[int, list[tuple[str, int]]] = {}
-        for rid, dest in plan.items():
-            by_dest.setdefault(dest, []).append((rid, self._rank(source)))
+        for key, dest, _ in items:
+            by_dest.setdefault(dest, []).append((key, self._rank(source)))
         # The source streams states in plan order; each destination receives its share in
         # that same order, so no receive waits on a send queued behind it.
-        self._send(source, "send_states", [(rid, self._rank(dest)) for rid, dest in plan.items()])
+        self._send(source, "send_states", [(key, self._rank(dest), is_s) for key, dest, is_s in items])
         for dest, items in by_dest.items():
             self._send(dest, "recv_states", items)
         expect = {dest: "recv_states" for dest in by_dest}
@@ -306,8 +346,10 @@ class MPIEngines:
             self._pending.append(EngineReport(source, (), tuple(sent["outputs"])))
         # The source names destinations by rank; the router books requests by engine id.
         moved = {rid: self._engine_of[rank] for rid, rank in sent["moved"].items()}
+        moved_sessions = {s: self._engine_of[rank] for s, rank in sent["sessions"].items()}
         return MigrationResult(source, moved, tuple(sent["gone"]), sent["tokens_at_move"],
-                               sent["bytes"], sent["seconds"], sent["kv_tokens"])
+                               sent["bytes"], sent["seconds"], sent["kv_tokens"], moved_sessions,
+                               tuple(sent["gone_sessions"]), sent["session_kv_tokens"], sent["session_bytes"])
 
     def resume(self, engine: int) -> None:
         """Note that a stopped engine's rank is back in ``serve_engine`` (its cell left TRAIN)."""

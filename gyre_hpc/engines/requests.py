@@ -44,11 +44,18 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Request:
-    """One model call: continue ``prompt_ids`` under ``params``."""
+    """One model call: continue ``prompt_ids`` under ``params``.
+
+    ``session`` names the agent context the call continues (the RL path: ``<run id>/<agent>``;
+    None: no reuse). An engine that retains contexts keeps the session's KV after the call,
+    and the next call of the session, whose prompt extends the previous prompt + output,
+    prefills only its new tokens.
+    """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -57,6 +64,8 @@ class Request:
         if not ids:
             raise ValueError(f"Request {self.request_id}: prompt_ids is empty; a prompt needs at least one token (BOS)")
         object.__setattr__(self, "prompt_ids", ids)
+        if self.session is not None and (not isinstance(self.session, str) or not self.session):
+            raise ValueError(f"Request {self.request_id}: session={self.session!r} must be a non-empty string or None")
 
     @property
     def prompt_len(self) -> int:
@@ -102,7 +111,9 @@ class EngineCounters:
     """Cumulative work counters. ``prefill_tokens`` counts tokens run through the model to
     fill a KV cache; a sequence migrated with its cache must not add to the destination's
     count. ``recomputed_tokens`` is the part of ``prefill_tokens`` spent re-filling the cache
-    of imported sequences whose cache did not move (0 for an exact-migration engine)."""
+    of imported sequences whose cache did not move (0 for an exact-migration engine).
+    ``cached_prompt_tokens`` counts prompt tokens served from a session's retained context
+    (not run through the model, so not in ``prefill_tokens``)."""
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -110,3 +121,4 @@ class EngineCounters:
     migrations_out: int = 0
     requests_finished: int = 0
     recomputed_tokens: int = 0
+    cached_prompt_tokens: int = 0

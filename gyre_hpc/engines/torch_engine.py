@@ -18,6 +18,16 @@ composition changes only float rounding of the logits (different matmul shapes),
 tokens match one-at-a-time decoding and logprobs agree to ~1e-6. Export copies a row out
 (the row is reused once the sequence leaves); import copies it into a row of the
 destination, so a migrated sequence continues from bit-identical keys and values.
+
+Retained sessions (what vLLM's automatic prefix caching and SGLang's radix cache do for agent
+serving): when a request of a ``session`` finishes, its row (prompt + output[:-1]) is copied
+out and kept as that session's context, one entry per session, the latest. The session's
+next call, whose prompt is the previous prompt + output + tool result, writes that context
+into its row and prefills only the new tokens. A prompt that does not start with it (the
+harness compressed the context) drops the entry and prefills in full. Entries are bounded by
+``max_retained_tokens`` (least recently used first out) and are all dropped when the weights
+change version (KV from old weights would make behaviour logprobs inexact) or on ``sleep``.
+``export_session``/``import_session`` move a context with its KV when the engine is released.
 """
 from __future__ import annotations
 
@@ -58,15 +68,22 @@ class _Sequence:
 
 class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
-                 prefill_chunk: int = 4096, max_prefill_tokens: int | None = None, seed: int = 0):
+                 prefill_chunk: int = 4096, max_prefill_tokens: int | None = None, seed: int = 0,
+                 max_retained_tokens: int = 1 << 18):
         if max_batch < 1:
             raise ValueError(f"TorchEngine.max_batch={max_batch} must be >= 1")
         if prefill_chunk < 1:
             raise ValueError(f"TorchEngine.prefill_chunk={prefill_chunk} must be >= 1")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise ValueError(f"TorchEngine.max_prefill_tokens={max_prefill_tokens} must be >= 1 (or None: no budget)")
+        if max_retained_tokens < 0:
+            raise ValueError(f"TorchEngine.max_retained_tokens={max_retained_tokens} must be >= 0 (0: retain nothing)")
         self.name = name
         self.model = model.eval()
+        self.max_retained_tokens = max_retained_tokens
+        # session -> (context tokens, per-layer token-major (k, v)); least recently used first.
+        self._retained: OrderedDict[str, tuple[tuple[int, ...], tuple]] = OrderedDict()
+        self._retained_total = 0
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         # Prompt tokens prefilled per step; a prompt longer than what is left of the budget is
@@ -90,7 +107,8 @@ class TorchEngine(EngineBookkeeping, Engine):
         self._accepting = True
         self._asleep = 0          # 0 awake, else the sleep level
         self._needs_weights = False
-        self._c = dict(prefill_tokens=0, decode_tokens=0, migrations_in=0, migrations_out=0, requests_finished=0)
+        self._c = dict(prefill_tokens=0, decode_tokens=0, migrations_in=0, migrations_out=0, requests_finished=0,
+                       cached_prompt_tokens=0)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None, **kwargs) -> "TorchEngine":
@@ -159,10 +177,12 @@ class TorchEngine(EngineBookkeeping, Engine):
                 budget -= self._continue_staging(budget, events)
             while self._queue and budget > 0 and len(self._running) + (self._staging is not None) < self.max_batch:
                 seq = self._queue.popleft()
-                need = seq.request.prompt_len + max(len(seq.tokens) - 1, 0)
+                context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+                reuse = self._take_retained(seq, context)
+                need = len(context) - (int(reuse[0][0].shape[0]) if reuse else 0)
                 if need <= budget:
                     budget -= need
-                    event = self._prefill(seq)
+                    event = self._prefill(seq, reuse)
                     if event is not None:
                         events.append(event)
                 else:
@@ -170,18 +190,23 @@ class TorchEngine(EngineBookkeeping, Engine):
                     self._staging_cache = SlotKVCache(self._layout.n_layers, self._layout.n_heads,
                                                       self._layout.head_dim, self._layout.torch_dtype(),
                                                       self._device, max_tokens=self.model.config.max_position)
-                    self._staging_cache.add_row(need + 1)
+                    self._staging_cache.add_row(len(context) + 1)
+                    if reuse:
+                        self._staging_cache.write(0, reuse)
                     budget -= self._continue_staging(budget, events)
         return events
 
     # -- the model -----------------------------------------------------------------------
-    def _prefill(self, seq: _Sequence) -> TokenEvent | None:
+    def _prefill(self, seq: _Sequence, reuse: tuple = ()) -> TokenEvent | None:
         """Fill a cache row with the prompt and sample the first token. A recompute state
         (tokens but no cache) fills prompt + tokens[:-1] and samples nothing: its last
-        token is the next decode input."""
+        token is the next decode input. ``reuse``: a retained context's KV for the first
+        tokens of the prompt, written into the row; only the rest is run through the model."""
         context = list(seq.request.prompt_ids) + seq.tokens[:-1]
         row = self._add_row(seq, len(context) + 1)
-        logits = self._fill(self._cache, row, context, 0, len(context))
+        if reuse:
+            self._cache.write(row, reuse)
+        logits = self._fill(self._cache, row, context, self._cache.lengths[row], len(context))
         return self._emit(seq, logits[0, -1]) if not seq.tokens else None
 
     def _fill(self, cache: SlotKVCache, row: int, context: list[int], start: int, end: int) -> torch.Tensor:
@@ -265,6 +290,8 @@ class TorchEngine(EngineBookkeeping, Engine):
             reason = "length"
         event = TokenEvent(seq.request.request_id, token, logprob, len(seq.tokens) - 1, reason)
         if reason is not None:
+            if seq.request.session is not None:
+                self._retain(seq)
             self._remove_row(seq)
             self._c["requests_finished"] += 1
             r = seq.request
@@ -272,6 +299,81 @@ class TorchEngine(EngineBookkeeping, Engine):
                 r.request_id, r.prompt_ids, tuple(seq.tokens), tuple(seq.logprobs), reason, seq.seed,
                 seq.policy_version, seq.migrations)
         return event
+
+    # -- retained sessions ---------------------------------------------------------------
+    def _retain(self, seq: _Sequence) -> None:
+        """Keep a finishing sequence's row as its session's context (a copy: the row is reused)."""
+        row = self._rows.index(seq)
+        context = tuple(seq.request.prompt_ids) + tuple(seq.tokens[:-1])
+        if self._cache.lengths[row] != len(context):
+            raise EngineError(f"engine {self.name}: request {seq.request.request_id} holds {self._cache.lengths[row]} "
+                              f"cached tokens for a context of {len(context)}")
+        self._keep(seq.request.session, context, self._cache.read(row) if len(context) <= self.max_retained_tokens else ())
+
+    def _keep(self, session: str, context: tuple[int, ...], kv: tuple) -> None:
+        self.drop_session(session)
+        if not kv or len(context) > self.max_retained_tokens:
+            return
+        self._retained[session] = (context, kv)
+        self._retained_total += len(context)
+        while self._retained_total > self.max_retained_tokens:
+            _, (old, _) = self._retained.popitem(last=False)
+            self._retained_total -= len(old)
+
+    def _take_retained(self, seq: _Sequence, context: list[int]) -> tuple:
+        """The KV of the session's retained context for the first tokens of ``context``
+        (removed from the store: the request will leave a newer one), or () when there is
+        none or the context does not start with it (the entry is then dropped). At least the
+        last context token is left to compute: its logits sample the first token."""
+        session = seq.request.session
+        if session is None or session not in self._retained:
+            return ()
+        tokens, kv = self._retained[session]
+        self.drop_session(session)
+        n = min(len(tokens), len(context) - 1)
+        if n < 1 or tuple(context[:n]) != tokens[:n]:
+            return ()
+        self._c["cached_prompt_tokens"] += n
+        return tuple((k[:n], v[:n]) for k, v in kv)
+
+    def retained_sessions(self) -> list[str]:
+        return list(self._retained)
+
+    @property
+    def retained_tokens(self) -> int:
+        return self._retained_total
+
+    def drop_session(self, session: str) -> bool:
+        entry = self._retained.pop(session, None)
+        if entry is not None:
+            self._retained_total -= len(entry[0])
+        return entry is not None
+
+    def _drop_retained(self) -> None:
+        self._retained.clear()
+        self._retained_total = 0
+
+    def export_session(self, session: str) -> KVState:
+        if session not in self._retained:
+            raise KeyError(f"engine {self.name}: no retained context for session {session!r}; "
+                           f"it holds {len(self._retained)} sessions")
+        tokens, kv = self._retained[session]
+        self.drop_session(session)
+        return KVState(request=Request(session, tokens, session=session), layout=self._layout, kv=kv,
+                       policy_version=self._version, source=self.name, retained=True)
+
+    def import_session(self, state: KVState) -> None:
+        """A context computed under other weights is not kept (its next call prefills in full)."""
+        self._check_usable("import_session")
+        self._layout.check_compatible(state.layout, f"retained context {state.request_id} from "
+                                                    f"{state.source or '?'} into engine {self.name}")
+        if not state.retained:
+            raise ValueError(f"engine {self.name}.import_session: KVState {state.request_id} is an in-flight "
+                             f"sequence, not a retained context (kv_import it)")
+        state.check()
+        if state.policy_version == self._version:
+            self._keep(state.request.session, state.request.prompt_ids,
+                       tuple((k.to(self._device), v.to(self._device)) for k, v in state.kv))
 
     # -- migration -----------------------------------------------------------------------
     def kv_export(self, request_id: str) -> KVState:
@@ -333,6 +435,12 @@ class TorchEngine(EngineBookkeeping, Engine):
                 param.copy_(state_dict[key])
         self._needs_weights = False
         self._version = version
+        self._drop_retained()
+
+    def adopt_weights(self, version: int) -> None:
+        if version != self._version:
+            self._drop_retained()
+        super().adopt_weights(version)
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
@@ -345,6 +453,7 @@ class TorchEngine(EngineBookkeeping, Engine):
             # so load_weights can validate and re-materialise them.
             self.model.to_empty(device="meta")
             self._needs_weights = True
+        self._drop_retained()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
         self._asleep = level

@@ -28,6 +28,11 @@ Mapping onto vLLM:
   per-request sampler state cannot be exported either, so a migrated *sampled* request
   continues with a fresh stream from its seed: a valid sample, not the uninterrupted one.
   ``carries_kv_cache = False`` tells the conformance suite both facts.
+- Retained sessions (``Request.session``): vLLM's automatic prefix caching already keeps a
+  finished call's blocks, and the router's session affinity sends the session's next call
+  back to this engine, where the cached blocks serve its prefix. There is no retained
+  context to hand out (``retained_sessions()`` is the base's ``[]``): when the engine is
+  released its sessions' next calls prefill in full on another engine.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set
 it): weight tensors then reach the worker as tensors, the cell rank's memory holds one engine,

@@ -25,6 +25,10 @@ class Completion:
 
 @runtime_checkable
 class ModelClient(Protocol):
-    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
-        """Continue ``prompt`` by at most ``max_new_tokens``, stopping after any id in ``stop``."""
+    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], *,
+                       agent: str = "main") -> Completion:
+        """Continue ``prompt`` by at most ``max_new_tokens``, stopping after any id in ``stop``.
+        ``agent`` names the context the call continues (``main``, ``sub1``, ...): each
+        agent's prompts extend its previous prompt + output, so a client may keep that
+        context's KV between its calls (the RL router does, per run and agent)."""
         ...

@@ -80,7 +80,8 @@ class RunClient:
                                  key=str(self.run_seed).encode()).digest()
         return int.from_bytes(digest, "little") >> 1
 
-    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
+    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], *,
+                       agent: str = "main") -> Completion:
         seed = self.seed_for(prompt)
         out = await self.driver.generate(prompt, max_new_tokens, stop, seed)
         return Completion(tuple(out.token_ids), tuple(out.logprobs), out.policy_version)

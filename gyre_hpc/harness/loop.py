@@ -213,8 +213,8 @@ class AgentRun:
             self.calls.append(rec)
             return comp
         try:
-            comp = await asyncio.wait_for(self.client.complete(prompt.tolist(), self.cfg.max_new_tokens, self.chat.stop_ids()),
-                                          remaining)
+            comp = await asyncio.wait_for(self.client.complete(prompt.tolist(), self.cfg.max_new_tokens, self.chat.stop_ids(),
+                                                               agent=agent), remaining)
         except asyncio.TimeoutError:
             raise RunTimeout() from None
         call = ModelCall(prompt, comp.output, comp.logprobs, role=role, agent=agent,

@@ -108,7 +108,8 @@ class TeacherClient:
         self.notes: dict[str, list[str]] = {"main": [], "sub": []}
         self.calls = 0
 
-    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
+    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], *,
+                       agent: str = "main") -> Completion:
         self.calls += 1
         text = self.tokenizer.decode(prompt, skip_special_tokens=True)
         agent = "sub" if SUBAGENT_TEXT in text else "main"

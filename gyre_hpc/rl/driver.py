@@ -92,15 +92,19 @@ class CountingEngines(MPIEngines):
 
     Recomputed prefill: every engine reports its cumulative ``prefill_tokens`` with the
     events of the same decode step, and a request's first prefill is the step that produced
-    its token 0. So (sum of the engines' prefill) - (prompt tokens of the requests whose token
-    0 was seen) is exactly the prefill done again: a moved sequence whose cache did not
-    travel re-fills prompt + output without a token 0. Valid for engines that prefill a
-    prompt in the step that samples its first token (TorchEngine without a prefill budget)."""
+    its token 0. A prompt's tokens reach a cache either through the model (``prefill_tokens``)
+    or from its session's retained context (``cached_prompt_tokens``), each exactly once for
+    a request that starts and finishes on one engine. So (sum of the engines' prefill +
+    cached) - (prompt tokens of the requests whose token 0 was seen) is exactly the prefill
+    done again: a moved sequence whose cache did not travel re-fills prompt + output without
+    a token 0. Valid for engines that prefill a prompt in the step that samples its first
+    token (TorchEngine without a prefill budget)."""
 
     def __init__(self, comm, ranks, poll_timeout_s: float = 0.0, reply_timeout_s: float = 600.0):
         super().__init__(comm, ranks, poll_timeout_s, reply_timeout_s)
         self.tokens = {e: 0 for e in self.ranks}
         self.prefill = {e: 0 for e in self.ranks}     # engine -> cumulative prefill tokens reported
+        self.cached = {e: 0 for e in self.ranks}      # engine -> cumulative prompt tokens served from retained contexts
         self.first_prefill = 0                        # prompt tokens of requests whose token 0 was seen
         self._prompt_len: dict[str, int] = {}         # submitted, token 0 not seen yet
 
@@ -114,6 +118,8 @@ class CountingEngines(MPIEngines):
             self.tokens[r.engine] += len(r.events)
             if r.prefill_tokens >= 0:
                 self.prefill[r.engine] = r.prefill_tokens
+            if r.cached_prompt_tokens >= 0:
+                self.cached[r.engine] = r.cached_prompt_tokens
             for ev in r.events:
                 if ev.index == 0:
                     self.first_prefill += self._prompt_len.pop(ev.request_id, 0)
@@ -121,7 +127,7 @@ class CountingEngines(MPIEngines):
 
     @property
     def recomputed_prefill_tokens(self) -> int:
-        return sum(self.prefill.values()) - self.first_prefill
+        return sum(self.prefill.values()) + sum(self.cached.values()) - self.first_prefill
 
     def pause(self, engines) -> dict:
         """Each paused engine's counters (the ``stop`` reply)."""
@@ -285,7 +291,10 @@ class RLStepDriver:
                                     sigma=rc.tool_latency_sigma, tokenizer=self.tokenizer)
         else:
             agent = AgentRun(*args, run_id=spec.run_id, tokenizer=self.tokenizer)
-        result: RunResult = await agent.run(resume=True)
+        try:
+            result: RunResult = await agent.run(resume=True)
+        finally:
+            self.driver.forget_run(spec.run_id)     # its contexts are dead: no memory, no migration
         versions = [c.policy_version for c in result.calls]
         tree = build_tree(result.calls, run_id=spec.run_id, task_id=spec.task.task_id, reward=result.reward,
                           status=result.status, policy_version=min(versions) if versions else self.policy_version,
@@ -487,14 +496,21 @@ class RLStepDriver:
             if cid in self.router.engines:
                 mig = self.router.drain(cid)
                 self.result.migrations += len(mig.moved)
-                st.migrations.append((cid, len(mig.moved), mig.bytes, mig.seconds))
-                if not (mig.moved or mig.gone):
+                moved = len(mig.moved) + len(mig.moved_sessions)
+                nbytes = mig.bytes + mig.session_bytes
+                st.migrations.append((cid, moved, nbytes, mig.seconds))
+                if not (mig.moved or mig.gone or mig.moved_sessions):
                     continue        # the engine held nothing: no migration to log
+                # One row per drain: requests = in-flight sequences + retained session contexts
+                # moved, tokens = their KV tokens (the detail says which is which).
                 self.metrics.append([TimelineRow(
                     time=time.time(), cell=cid, role=Role.ROLLOUT.value, event="migrate", step=st.step,
-                    duration_s=mig.seconds, bytes=mig.bytes, requests=len(mig.moved), tokens=mig.kv_tokens,
-                    detail=f"{len(mig.moved)} in-flight requests moved with their KV cache to engines "
-                           f"{sorted(set(mig.moved.values()))}; {len(mig.gone)} finished first")])
+                    duration_s=mig.seconds, bytes=nbytes, requests=moved, tokens=mig.kv_tokens + mig.session_kv_tokens,
+                    sessions=len(mig.moved_sessions), session_tokens=mig.session_kv_tokens,
+                    detail=f"{len(mig.moved)} in-flight requests ({mig.kv_tokens} KV tokens) and "
+                           f"{len(mig.moved_sessions)} retained session contexts ({mig.session_kv_tokens} KV tokens) "
+                           f"moved to engines {sorted(set(mig.moved.values()) | set(mig.moved_sessions.values()))}; "
+                           f"{len(mig.gone)} requests finished first")])
         self.pause_engines([cid for cid in releasing if cid in self.serving])
         before = {c.id: c.role for c in self.cells}
         bystanders = frozenset(r for cid in self.serving for r in self.cell(cid).ranks)
@@ -712,10 +728,16 @@ class RLStepDriver:
                 t.cancel()
             self._loop.run_until_complete(asyncio.gather(*ahead, return_exceptions=True))
         self.pause_engines()
-        # Prompt tokens prefilled more than once across engines: 0 unless a migrated
-        # sequence was recomputed instead of continued from its KV cache.
-        prefilled = sum(c.prefill_tokens for c in self.engine_counters.values())
+        # Prompt tokens prefilled more than once across engines (computed, or served from a
+        # retained context): 0 unless a migrated sequence was recomputed instead of continued
+        # from its KV cache.
+        cached = sum(c.cached_prompt_tokens for c in self.engine_counters.values())
+        prefilled = sum(c.prefill_tokens for c in self.engine_counters.values()) + cached
         self.result.recomputed_prefill_tokens = prefilled - self.driver.prompt_tokens
+        self.result.cached_prompt_tokens = cached
+        print(f"[rl] prompt tokens {self.driver.prompt_tokens}: {cached} served from retained session contexts "
+              f"({cached / max(self.driver.prompt_tokens, 1):.0%}), {prefilled - cached} prefilled, "
+              f"{self.result.recomputed_prefill_tokens} recomputed", flush=True)
         if self._loop is not None:
             self._loop.close()
             self._loop = None

@@ -12,6 +12,11 @@ routed to an engine a second time, i.e. a model call begun again from scratch (w
 without KV migration would do to the requests in flight). The harness asking twice for the
 same context (two identical sub-agent briefs) is not one: the seed of a prompt is fixed,
 so the second ask is answered identically and on purpose.
+
+Each call names its session, ``<run id>/<agent>`` (``session_of``): the run's main agent and
+each sub-agent are separate contexts, so a sub-agent's calls do not evict the main agent's
+retained KV. The engine that served a session's last call keeps its context and the router
+sends the next call there; ``RLStepDriver`` forgets a run's sessions when the run ends.
 """
 from __future__ import annotations
 
@@ -25,6 +30,17 @@ from gyre_hpc.engines.requests import Output, Request, SamplingParams
 from gyre_hpc.engines.router import Router
 from gyre_hpc.harness.client import Completion
 from gyre_hpc.harness.engine_client import RunClient
+
+
+def session_of(run_id: str, agent: str) -> str:
+    """The engine session of one agent context of a run."""
+    return f"{run_id}/{agent}"
+
+
+def sessions_of_run(sessions, run_id: str) -> list[str]:
+    """The sessions among ``sessions`` that belong to run ``run_id``."""
+    prefix = session_of(run_id, "")
+    return [s for s in sessions if s.startswith(prefix)]
 
 
 class RouterDriver:
@@ -47,13 +63,13 @@ class RouterDriver:
         return CountingRunClient(self, run_seed, run_id)
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], seed: int,
-                       tag: str = "r") -> Output:
+                       tag: str = "r", session: str | None = None) -> Output:
         rid = f"{tag}-{next(self._ids)}"
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                                 seed=seed, stop_token_ids=tuple(stop))
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
-        request = Request(rid, tuple(int(t) for t in prompt), params)
+        request = Request(rid, tuple(int(t) for t in prompt), params, session=session)
         self.queue.append(request)
         self.prompt_tokens += request.prompt_len
         try:
@@ -86,6 +102,10 @@ class RouterDriver:
                 fut.set_result(out)
         return len(events)
 
+    def forget_run(self, run_id: str) -> int:
+        """Drop the retained contexts of a run that ended; returns how many there were."""
+        return self.router.forget(sessions_of_run(self.router.sessions, run_id))
+
     def fail_all(self, exc: BaseException) -> None:
         for fut in self._waiting.values():
             if not fut.done():
@@ -108,9 +128,11 @@ class CountingRunClient(RunClient):
     def restarts(self) -> int:
         return self.driver.restarts[self.run_id]
 
-    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int]) -> Completion:
+    async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], *,
+                       agent: str = "main") -> Completion:
         t0 = time.monotonic()
-        out = await self.driver.generate(prompt, max_new_tokens, stop, self.seed_for(prompt), tag=self.run_id)
+        out = await self.driver.generate(prompt, max_new_tokens, stop, self.seed_for(prompt), tag=self.run_id,
+                                         session=session_of(self.run_id, agent))
         self.model_s += time.monotonic() - t0
         self.calls += 1
         self.migrations += out.migrations

@@ -139,9 +139,11 @@ def summarize(path: str | Path) -> RunSummary:
 def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = None) -> dict:
     """The flips of a run and what they cost the rollouts, from the metrics tables.
 
-    ``kv_migrations``: drains that moved in-flight requests with their KV cache (``migrate``
-    rows with requests > 0), i.e. releases of a cell that had requests in flight; with the
-    requests, cached KV tokens and bytes moved. ``restarts`` (runs table): model calls
+    ``kv_migrations``: drains that moved KV (``migrate`` rows with requests > 0), i.e.
+    releases of a cell that had requests in flight or held retained session contexts; with
+    the in-flight requests (``migrated_requests``) and session contexts
+    (``migrated_sessions``) moved, all their cached KV tokens (``migrated_kv_tokens``, of
+    which ``migrated_session_kv_tokens`` were session contexts) and bytes. ``restarts`` (runs table): model calls
     submitted again from scratch. ``recomputed_prefill_tokens`` (steps table): prefill the
     engines did twice. ``flaps``: a cell released (ROLLOUT -> TRAIN) and reclaimed in the same
     step, i.e. an engine given up and needed back for the same batch. ``reversals``: any flip
@@ -151,17 +153,23 @@ def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = 
     """
     last: dict[int, tuple[int, str]] = {}       # cell -> (step, role) of its latest flip this launch
     out = {"flips": 0, "releases": 0, "reclaims": 0, "kv_migrations": 0, "migrated_requests": 0,
-           "migrated_kv_tokens": 0, "migrated_kv_bytes": 0, "flaps": 0, "reversals": 0}
-    for cell, role, event, step, requests, tokens, nbytes in zip(
+           "migrated_sessions": 0, "migrated_kv_tokens": 0, "migrated_session_kv_tokens": 0,
+           "migrated_kv_bytes": 0, "flaps": 0, "reversals": 0}
+    n = len(timeline["cell"])
+    sessions = timeline.get("sessions", [0] * n)
+    session_tokens = timeline.get("session_tokens", [0] * n)
+    for cell, role, event, step, requests, tokens, nbytes, n_sessions, s_tokens in zip(
             timeline["cell"], timeline["role"], timeline["event"], timeline["step"], timeline["requests"],
-            timeline["tokens"], timeline["bytes"]):
+            timeline["tokens"], timeline["bytes"], sessions, session_tokens):
         cell, step, role = int(cell), int(step), str(role)
         if event == "start":
             last.pop(cell, None)
         elif event == "migrate" and int(requests) > 0:
             out["kv_migrations"] += 1
-            out["migrated_requests"] += int(requests)
+            out["migrated_requests"] += int(requests) - int(n_sessions)
+            out["migrated_sessions"] += int(n_sessions)
             out["migrated_kv_tokens"] += int(tokens)
+            out["migrated_session_kv_tokens"] += int(s_tokens)
             out["migrated_kv_bytes"] += int(nbytes)
         elif event == "flip_end":
             out["flips"] += 1
@@ -266,9 +274,9 @@ def render(summary: RunSummary) -> None:
                       f"restarts {r['restarts']}")
     f = summary.flip_effects
     if f and f["flips"]:
-        console.print(f"flips: {f['flips']} ({f['releases']} to TRAIN, {f['reclaims']} to ROLLOUT); releases with "
-                      f"requests in flight {f['kv_migrations']}: {f['migrated_requests']} requests moved with "
-                      f"{f['migrated_kv_tokens']} KV tokens ({f['migrated_kv_bytes'] / 1e6:.1f} MB); restarts "
+        console.print(f"flips: {f['flips']} ({f['releases']} to TRAIN, {f['reclaims']} to ROLLOUT); releases that moved "
+                      f"KV {f['kv_migrations']}: {f['migrated_requests']} in-flight requests and "
+                      f"{f['migrated_sessions']} session contexts moved with {f['migrated_kv_tokens']} KV tokens ({f['migrated_kv_bytes'] / 1e6:.1f} MB); restarts "
                       f"{f['restarts']}, recomputed prefill tokens {f['recomputed_prefill_tokens']}, flaps "
                       f"{f['flaps']} (released and reclaimed in one step)")
 

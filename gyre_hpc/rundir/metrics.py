@@ -26,10 +26,12 @@ _TEXT = "S160"
 # table -> ordered (column, dtype). Roles: ROLLOUT, TRAIN, SWITCH, IDLE, DOWN.
 TABLES: dict[str, list[tuple[str, Any]]] = {
     # One row per event on a cell: role changes (start/end of a flip), launches, relaunches,
-    # KV migrations (``migrate``: requests moved, their cached KV tokens and bytes).
+    # KV migrations (``migrate``: in-flight requests + retained session contexts moved, their
+    # cached KV tokens and bytes; ``sessions``/``session_tokens``: the session contexts' share).
     "timeline": [
         ("time", "f8"), ("cell", "i4"), ("role", _STR), ("event", _STR), ("step", "i4"),
         ("duration_s", "f8"), ("bytes", "i8"), ("detail", _TEXT), ("requests", "i4"), ("tokens", "i8"),
+        ("sessions", "i4"), ("session_tokens", "i8"),
     ],
     # recomputed_prefill_tokens: prompt/KV tokens the engines prefilled again during the step
     # (a moved sequence whose cache did not travel); 0 with KV migration.
@@ -62,8 +64,10 @@ class TimelineRow:
     duration_s: float = 0.0
     bytes: int = 0
     detail: str = ""
-    requests: int = 0      # migrate: in-flight requests moved
+    requests: int = 0      # migrate: in-flight requests + retained session contexts moved
     tokens: int = 0        # migrate: their cached KV tokens
+    sessions: int = 0      # migrate: of ``requests``, the retained session contexts
+    session_tokens: int = 0  # migrate: of ``tokens``, theirs
 
 
 @dataclass

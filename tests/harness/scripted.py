@@ -50,7 +50,7 @@ class ScriptClient:
         self.delay_s = delay_s
         self.prompts: list[list[int]] = []
 
-    async def complete(self, prompt, max_new_tokens, stop):
+    async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
         import asyncio
         if self.delay_s:
             await asyncio.sleep(self.delay_s)

@@ -75,7 +75,7 @@ def test_teacher_refuses_a_task_without_playbook():
 class _Garbage:
     """A model that never emits a valid tool call: plain bytes every time."""
 
-    async def complete(self, prompt, max_new_tokens, stop):
+    async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
         ids = encode("zzz no call here ")[:max_new_tokens]
         return Completion(tuple(ids), (0.0,) * len(ids))
 
@@ -97,11 +97,11 @@ class _DeletesWorkspace(TeacherClient):
         super().__init__(task, seed=0)
         self.ws = ws
 
-    async def complete(self, prompt, max_new_tokens, stop):
+    async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
         if self.calls == 5:
             shutil.rmtree(self.ws)
             self.ws.write_text("not a directory")
-        return await super().complete(prompt, max_new_tokens, stop)
+        return await super().complete(prompt, max_new_tokens, stop, agent=agent)
 
 
 def test_checker_crash_ends_the_run_failed_with_score_zero_and_journal_kept(tmp_path):

@@ -69,10 +69,10 @@ class CrashAfter(ScriptClient):
         super().__init__()
         self.n = n
 
-    async def complete(self, prompt, max_new_tokens, stop):
+    async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
         if len(self.prompts) == self.n:
             raise Crash()
-        return await super().complete(prompt, max_new_tokens, stop)
+        return await super().complete(prompt, max_new_tokens, stop, agent=agent)
 
 
 def test_crashed_run_resumes_by_replay_without_asking_the_model_again(tmp_path):
@@ -139,7 +139,7 @@ def test_slow_model_call_hits_the_wall_clock_too(tmp_path):
 
 def test_failing_client_gives_a_failed_but_scored_run(tmp_path):
     class Broken(ScriptClient):
-        async def complete(self, prompt, max_new_tokens, stop):
+        async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
             raise RuntimeError("engine lost")
 
     r = _run(tmp_path, Broken())

@@ -44,8 +44,10 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     assert int(runs["restarts"].sum()) == 0                          # ...and none started over
     assert result["recomputed_prefill_tokens"] == 0                  # no moved sequence was re-prefilled
     timeline = read_table(run.metrics, "timeline")
-    moves = [(int(c), int(n), d) for c, e, n, d in zip(timeline["cell"], timeline["event"], timeline["requests"],
-                                                       timeline["detail"]) if e == "migrate"]
+    # requests = in-flight sequences + retained session contexts moved; sessions = the latter
+    moves = [(int(c), int(n) - int(k), d) for c, e, n, k, d in zip(
+        timeline["cell"], timeline["event"], timeline["requests"], timeline["sessions"], timeline["detail"])
+        if e == "migrate"]
     assert sum(n for _, n, _ in moves) == result["migrations"]   # each drain is on the timeline
     for source, n, detail in moves:    # ...naming the engines (cell ids) that took the requests
         assert int(detail.split()[0]) == n and re.search(r"to engines \[(\d+)\]", detail)[1] == str(3 - source)

@@ -60,20 +60,22 @@ def test_inspect_counts_migrations_restarts_recomputed_prefill_and_flaps(tmp_pat
                   # ... and cell 2 taken back in the same step: a flap
                   row(3, 2, "ROLLOUT", "flip_end", 1),
                   # step 2: cell 1 back for the new batch, released at its tail (the elastic cycle)
+                  # with nothing in flight: its drain moved only 2 retained session contexts
                   row(4, 1, "ROLLOUT", "flip_end", 2),
-                  row(5, 1, "ROLLOUT", "migrate", 2, requests=1, tokens=100, bytes=8),
+                  row(5, 1, "ROLLOUT", "migrate", 2, requests=2, sessions=2, tokens=300, session_tokens=300, bytes=8),
                   row(5, 1, "TRAIN", "flip_end", 2),
                   # a relaunch redoes step 2: its first flip continues nothing from before
                   row(6, 1, "TRAIN", "start", 2), row(6, 2, "ROLLOUT", "start", 2),
                   row(7, 1, "ROLLOUT", "flip_end", 2)])
         m.append([RunRow(time=1.0, step=1, run_id="a", task_id="t", status="finished", reward=1.0, migrations=3),
-                  RunRow(time=5.0, step=2, run_id="b", task_id="t", status="finished", reward=1.0, migrations=1,
+                  RunRow(time=5.0, step=2, run_id="b", task_id="t", status="finished", reward=1.0, migrations=0,
                          restarts=2)])
         m.add(StepRow(step=1, time=3.0, wall_s=3.0, recomputed_prefill_tokens=0))
         m.add(StepRow(step=2, time=7.0, wall_s=3.0, recomputed_prefill_tokens=17))
     out = CliRunner().invoke(inspect, [str(run.root), "--json"])
     assert out.exit_code == 0, out.output
     effects = json.loads(out.output)["flip_effects"]
-    assert effects == {"flips": 6, "releases": 3, "reclaims": 3, "kv_migrations": 2, "migrated_requests": 4,
-                       "migrated_kv_tokens": 1000, "migrated_kv_bytes": 72, "flaps": 1, "reversals": 2,
-                       "run_migrations": 4, "restarts": 2, "recomputed_prefill_tokens": 17}
+    assert effects == {"flips": 6, "releases": 3, "reclaims": 3, "kv_migrations": 2, "migrated_requests": 3,
+                       "migrated_sessions": 2, "migrated_kv_tokens": 1200, "migrated_session_kv_tokens": 300,
+                       "migrated_kv_bytes": 72, "flaps": 1, "reversals": 2,
+                       "run_migrations": 3, "restarts": 2, "recomputed_prefill_tokens": 17}

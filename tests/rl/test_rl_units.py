@@ -152,6 +152,19 @@ def test_sample_runs_is_a_pure_function_of_config_and_step():
     assert {s.run_id for s in a}.isdisjoint(s.run_id for s in sample_runs(tasks, cfg, 5))
 
 
+async def _harness_runs(driver, task, cfg, clients, tmp_path, between=None):
+    """Run one AgentRun per client over the driver, pumping it (and ``between``) until all end."""
+    runs = [asyncio.create_task(AgentRun(task, tmp_path / f"w{i}", c, tmp_path / f"j{i}.jsonl", cfg,
+                                         run_id=c.run_id).run()) for i, c in enumerate(clients)]
+    while not all(r.done() for r in runs):
+        driver.dispatch()
+        driver.pump()
+        if between is not None:
+            between()
+        await asyncio.sleep(0)
+    return [r.result() for r in runs]
+
+
 def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
     """Concurrent harness runs call two engines through the router; one engine is drained
     mid-decode: its sequences move with their KV cache and every run finishes, none restarted."""
@@ -164,25 +177,45 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
     cfg = HarnessConfig(max_new_tokens=40, context_limit=512, run_timeout_s=60)
     clients = [driver.client(f"r{i}", 100 + i) for i in range(4)]
 
-    async def main():
-        runs = [asyncio.create_task(AgentRun(task, tmp_path / f"w{i}", c, tmp_path / f"j{i}.jsonl", cfg,
-                                             run_id=f"r{i}").run()) for i, c in enumerate(clients)]
-        drained = None
-        while not all(r.done() for r in runs):
-            driver.dispatch()
-            driver.pump()
-            if drained is None and len(router.inflight(1)) >= 1 and driver.started & set(router.inflight(1)):
-                drained = router.drain(1)
-            await asyncio.sleep(0)
-        return drained, [r.result() for r in runs]
+    drained = []
 
-    drained, results = asyncio.run(main())
+    def drain_once():
+        if not drained and len(router.inflight(1)) >= 1 and driver.started & set(router.inflight(1)):
+            drained.append(router.drain(1))
+
+    results = asyncio.run(_harness_runs(driver, task, cfg, clients, tmp_path, drain_once))
+    drained = drained[0] if drained else None
     assert drained is not None and len(drained.moved) >= 1
     assert sum(c.migrations for c in clients) == len(drained.moved)
     assert all(c.restarts == 0 and c.calls == 1 for c in clients)
     assert all(r.status == "finished" for r in results)
     prefilled = sum(e.counters().prefill_tokens for e in engines.values())
     assert prefilled == driver.prompt_tokens   # no migrated sequence was recomputed
+
+
+def test_an_agents_calls_reuse_its_context_on_its_engine_and_forget_run_drops_it(tmp_path):
+    """Each call of a run's main agent goes back to the engine that holds its context and
+    prefills only what the previous prompt + output did not cover; every prompt token is
+    filled once (computed or served from the context), and forget_run drops that run's."""
+    engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
+    router = Router(InProcessEngines(engines), [0, 1])
+    driver = RouterDriver(router)
+    task = Task("t", "say ok", (TaskTest("ok", "assert True"),), max_turns=3)
+    cfg = HarnessConfig(max_new_tokens=16, context_limit=512, run_timeout_s=60)
+    clients = [driver.client(f"r{i}", 100 + i) for i in range(2)]
+
+    results = asyncio.run(_harness_runs(driver, task, cfg, clients, tmp_path))
+    assert all(len(r.calls) == 3 for r in results)
+    expected = sum(len(prev.prompt) + len(prev.output) - 1 for r in results for prev in r.calls[:-1])
+    cached = sum(e.counters().cached_prompt_tokens for e in engines.values())
+    prefilled = sum(e.counters().prefill_tokens for e in engines.values())
+    assert cached == expected > 0
+    assert prefilled + cached == driver.prompt_tokens
+    assert set(router.sessions) == {"r0/main", "r1/main"}
+    home = router.session_home("r0/main")
+    assert driver.forget_run("r0") == 1 and set(router.sessions) == {"r1/main"}
+    assert "r0/main" not in engines[home].retained_sessions()
+    assert router.session_home("r1/main") is not None
 
 
 def test_restarts_count_requests_routed_again_not_a_context_asked_twice():
