@@ -1,10 +1,11 @@
 """``gyre-hpc bench e2e``: the three policies on one real RL workload, then the simulator's forecast.
 
 Each policy (elastic, colocate, async) runs the real fleet (controller, engines over MPI,
-harness runs, trees, streaming training) on the same workload with the same seeds: the
-``easy-3turn`` suite (three model calls per run) with ``rollout.tool_latency_s``, a lognormal
-environment wait after each tool call, so on a small machine runs spend most of their time
-in tools and idle engines exist to be reclaimed. Launcher: the
+harness runs, trees, streaming training) on the same workload with the same seeds:
+``--workload easy-3turn`` (three model calls per run with ``rollout.tool_latency_s``, a
+lognormal environment wait after each tool call, so on a small machine runs spend most of
+their time in tools and idle engines exist to be reclaimed) or ``--workload long`` (the
+long-horizon suite of ``make run``, tens of calls per run, sub-agents, a wall clock). Launcher: the
 local Slurm cluster when it is up (one ``srun`` het step per policy over its virtual nodes),
 else ``mpiexec`` on this machine (``--launcher``; the JSON says which). Per policy: wall time per step,
 busy fractions (``rundir.load.time_fractions``), flips and KV migrations; elastic's speedups
@@ -34,7 +35,28 @@ from gyre_hpc.bench import emit
 POLICIES = ("elastic", "colocate", "async")
 
 
-def workload_config(run_dir: Path, policy: str, steps: int, seed: int) -> dict:
+WORKLOADS = ("easy-3turn", "long")
+# ``long``: the workload of ``make run`` itself, read from the file it runs (one place for it).
+LONG_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "local.yaml"
+
+
+def workload_config(run_dir: Path, policy: str, steps: int, seed: int, workload: str = "easy-3turn") -> dict:
+    """The run config of one policy's fleet. ``easy-3turn``: three calls per run, a 1.5 s median
+    tool wait, a ``small`` model whose training is a real share of the step. ``long``: the
+    long-horizon suite exactly as ``examples/local.yaml`` runs it (warm start, wall clock,
+    heavy-tailed tool waits), the policy frozen (``lr`` 1e-7) so every step is the same workload."""
+    if workload == "long":
+        from gyre_hpc.config import load_yaml
+
+        if not LONG_CONFIG.is_file():
+            raise click.ClickException(f"--workload long reads {LONG_CONFIG}, which is missing (run from a checkout)")
+        cfg = load_yaml(LONG_CONFIG.read_text())
+        cfg.update({"name": f"e2e-{policy}", "run_dir": str(run_dir), "launcher": "local", "seed": seed})
+        cfg["scheduler"] = {**cfg.get("scheduler", {}), "policy": policy, "async_train_cells": 1, "interval_s": 0.25}
+        cfg["train"] = {**cfg.get("train", {}), "steps": steps, "lr": 1e-7}
+        return cfg
+    if workload != "easy-3turn":
+        raise click.BadParameter(f"{workload!r}: workloads are {', '.join(WORKLOADS)}", param_hint="--workload")
     return {
         "name": f"e2e-{policy}", "run_dir": str(run_dir), "launcher": "local", "workload": "rl", "seed": seed,
         "cells": {"count": 3, "ranks_per_cell": 1, "core": 0},
@@ -46,6 +68,18 @@ def workload_config(run_dir: Path, policy: str, steps: int, seed: int) -> dict:
         # A small learning rate keeps the policy (and so the workload) steady over the steps.
         "train": {"steps": steps, "lr": 1e-4, "micro_batch_tokens": 1024, "row_tokens": 1024},
     }
+
+
+def workload_summary(workload: str, steps: int, seed: int) -> dict:
+    """What the JSON says the policies ran, read from the config they ran."""
+    from gyre_hpc.config import build_config
+
+    cfg = build_config(workload_config(Path("e2e"), "elastic", steps, seed, workload))
+    r = cfg.rollout
+    return {"tasks": r.tasks, "tool_latency_s": r.tool_latency_s, "tool_latency_sigma": r.tool_latency_sigma,
+            "run_timeout_s": r.run_timeout_s, "cells": cfg.cells.count,
+            "runs_per_step": r.runs_per_task * r.tasks_per_step, "steps": steps, "seed": seed,
+            "lr": cfg.train.lr, "warm_start": cfg.warmstart.enabled}
 
 
 def resolve_launcher(choice: str) -> tuple[str, list[str] | None]:
@@ -62,14 +96,18 @@ def resolve_launcher(choice: str) -> tuple[str, list[str] | None]:
 
 
 def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
-               launcher: str = "local", nodes: list[str] | None = None, name: str | None = None) -> dict:
+               launcher: str = "local", nodes: list[str] | None = None, name: str | None = None,
+               workload: str = "easy-3turn") -> dict:
     from gyre_hpc.config import build_config
     from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher
     from gyre_hpc.jobs.plan import local_plan, plan_for_nodes
+    from gyre_hpc.jobs.preflight import prepare_workload_config
     from gyre_hpc.rundir.layout import RunDir
 
     name = name or policy
-    cfg = build_config({**workload_config(root / name, policy, steps, seed), "launcher": launcher})
+    cfg = build_config({**workload_config(root / name, policy, steps, seed, workload), "launcher": launcher})
+    # The warm start (``long``) is built once, before any timing, and found in its cache after.
+    cfg = prepare_workload_config(cfg, build=True, log=lambda m: print(m, file=sys.stderr))
     run = RunDir.at(cfg.run_dir).make()
     run.config.write_text(cfg.to_yaml())
     out = run.logs / "result.json"
@@ -242,9 +280,11 @@ def ranks_main(run_dir: str, out: str) -> int:
 @click.option("--launcher", type=click.Choice(["auto", "local", "slurm"]), default="auto", show_default=True,
               help="auto: the local Slurm cluster if it is up, else mpiexec on this machine")
 @click.option("--repeats", default=3, show_default=True, help="runs of each policy (same seed): the spread")
+@click.option("--workload", type=click.Choice(WORKLOADS), default="easy-3turn", show_default=True,
+              help="long: the long-horizon suite of make run (examples/local.yaml), policy frozen")
 @click.option("--json", "as_json", is_flag=True)
 def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: float, launcher: str,
-            repeats: int, as_json: bool) -> None:
+            repeats: int, workload: str, as_json: bool) -> None:
     """Elastic vs colocate vs async on one real RL workload; the simulator's forecast beside it."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
@@ -261,7 +301,8 @@ def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: fl
     reps: dict[str, list[dict]] = {p: [] for p in names}
     for k in range(repeats):
         for p in names:
-            reps[p].append(run_policy(root, p, steps, seed, timeout_s, launcher, nodes, name=f"{p}-{k}"))
+            reps[p].append(run_policy(root, p, steps, seed, timeout_s, launcher, nodes, name=f"{p}-{k}",
+                                      workload=workload))
     load_after = os.getloadavg()[0]
     runs = {p: r[0] for p, r in reps.items()}
     all_summaries = {p: [summarize(p, r) for r in rs] for p, rs in reps.items()}
@@ -270,8 +311,7 @@ def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: fl
         "benchmark": "e2e",
         "launcher": ("slurm (one het step per policy on the local cluster's nodes " + ",".join(nodes) + ")"
                      if launcher == "slurm" else "local (mpiexec on this machine)"),
-        "workload": {"tasks": "easy-3turn", "tool_latency_s": 1.5, "cells": 3, "runs_per_step": 16, "steps": steps,
-                     "seed": seed},
+        "workload": workload_summary(workload, steps, seed),
         "repeats": repeats,
         "policies": {p: {**summaries[p], "repeats": spread([s["steady_step_s"] for s in all_summaries[p]])}
                      for p in names},

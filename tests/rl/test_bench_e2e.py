@@ -75,3 +75,23 @@ def test_limits_name_the_saturated_resource_and_the_slowest_run_share():
     assert got["saturated"] == "cpu" and got["slowest_run_share"] == {"elastic": 0.85, "async": 1.0}
     assert "cpu saturated" in got["note"] and "85%-100% of a step" in got["note"]
     assert limits(runs, {"saturated": None})["note"].startswith("the slowest run")
+
+
+def test_long_workload_is_make_runs_config_with_the_policy_and_a_frozen_lr(tmp_path):
+    from gyre_hpc.bench.e2e import workload_config, workload_summary
+    from gyre_hpc.config import build_config, load_config
+
+    cfg = build_config(workload_config(tmp_path / "r", "colocate", 2, 3, "long"))
+    local = load_config(REPO / "examples" / "local.yaml")
+    assert cfg.scheduler.policy == "colocate" and cfg.train.steps == 2 and cfg.seed == 3 and cfg.train.lr == 1e-7
+    assert cfg.rollout == local.rollout and cfg.warmstart == local.warmstart and cfg.run_dir == str(tmp_path / "r")
+    got = workload_summary("long", 2, 3)
+    assert got["tasks"] == "long" and got["runs_per_step"] == 16 and got["warm_start"] is True
+    assert workload_summary("easy-3turn", 2, 3)["tasks"] == "easy-3turn"
+
+
+def test_bench_e2e_refuses_an_unknown_workload():
+    gyre = str(Path(sys.executable).with_name("gyre-hpc"))
+    proc = subprocess.run([gyre, "bench", "e2e", "--workload", "huge"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode != 0 and "huge" in proc.stderr and "long" in proc.stderr
