@@ -40,7 +40,7 @@ from typing import Callable, Mapping
 from gyre_hpc.engines.base import Engine, EngineError
 from gyre_hpc.engines.kv_transfer import recv_kv_state, send_kv_state
 from gyre_hpc.engines.requests import Request
-from gyre_hpc.engines.router import EngineReport, MigrationResult
+from gyre_hpc.engines.router import EngineReport, MigrationResult, migration_items
 
 CMD_TAG = 7001   # controller -> engine
 UP_TAG = 7002    # engine -> controller: ("events", events, outputs, prefill, cached) or ("reply", op, payload)
@@ -329,8 +329,7 @@ class MPIEngines:
 
     def migrate(self, source: int, plan: Mapping[str, int], sessions: Mapping[str, int] | None = None
                 ) -> MigrationResult:
-        items = [(rid, dest, False) for rid, dest in plan.items()]
-        items += [(session, dest, True) for session, dest in (sessions or {}).items()]
+        items = migration_items(plan, sessions)
         by_dest: dict[int, list[tuple[str, int]]] = {}
         for key, dest, _ in items:
             by_dest.setdefault(dest, []).append((key, self._rank(source)))

@@ -59,6 +59,13 @@ class MigrationResult:
     session_bytes: int = 0
 
 
+def migration_items(plan: Mapping[str, int], sessions: Mapping[str, int] | None) -> list[tuple[str, int, bool]]:
+    """One drain's moves in the order both transports send them: (key, destination engine,
+    is_session), the in-flight requests first, then the retained session contexts."""
+    return ([(rid, dest, False) for rid, dest in plan.items()]
+            + [(session, dest, True) for session, dest in (sessions or {}).items()])
+
+
 class EngineTransport(Protocol):
     """How the router reaches engines: submit, collect tokens, and the two drain phases."""
 
@@ -305,12 +312,10 @@ class InProcessEngines:
                 ) -> MigrationResult:
         t0 = time.perf_counter()
         src = self.engines[source]
-        # Index 0: in-flight requests, 1: retained session contexts.
+        # Indexed by is_session: 0 in-flight requests, 1 retained session contexts.
         held = (set(src.request_ids()), set(src.retained_sessions()))
         moved, gone, nbytes, kv_tokens, at_move = ({}, {}), ([], []), [0, 0], [0, 0], {}
-        items = [(rid, dest, 0) for rid, dest in plan.items()]
-        items += [(session, dest, 1) for session, dest in (sessions or {}).items()]
-        for key, dest, kind in items:
+        for key, dest, kind in migration_items(plan, sessions):
             if key not in held[kind]:
                 gone[kind].append(key)
                 continue

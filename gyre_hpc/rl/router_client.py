@@ -30,6 +30,7 @@ from gyre_hpc.engines.requests import Output, Request, SamplingParams
 from gyre_hpc.engines.router import Router
 from gyre_hpc.harness.client import Completion
 from gyre_hpc.harness.engine_client import RunClient
+from gyre_hpc.rl.policy_inputs import run_of_request
 
 
 def session_of(run_id: str, agent: str) -> str:
@@ -83,7 +84,7 @@ class RouterDriver:
         n = len(self.queue)
         for request in self.queue:
             if request.request_id in self._routed:
-                self.restarts[request.request_id.rsplit("-", 1)[0]] += 1   # the id is "<tag>-<n>"
+                self.restarts[run_of_request(request.request_id)] += 1
             self._routed.add(request.request_id)
             self.router.submit(request)
         self.queue = []

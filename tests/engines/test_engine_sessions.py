@@ -239,3 +239,10 @@ def test_a_queued_call_and_its_sessions_context_move_to_the_same_engine(model_di
     held = len(first) + len(out1.token_ids) - 1
     assert after.cached_prompt_tokens - before.cached_prompt_tokens == held
     assert after.prefill_tokens - before.prefill_tokens == len(second) - held
+
+
+def test_migration_items_put_in_flight_requests_before_session_contexts():
+    from gyre_hpc.engines.router import migration_items
+
+    assert migration_items({"r1": 2, "r2": 3}, {"s1": 3}) == [("r1", 2, False), ("r2", 3, False), ("s1", 3, True)]
+    assert migration_items({"r1": 2}, None) == [("r1", 2, False)]
