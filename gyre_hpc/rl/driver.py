@@ -58,7 +58,7 @@ from gyre_hpc.rl.runs import RunSpec, sample_runs
 from gyre_hpc.rl.tasks import load_tasks
 from gyre_hpc.rl.trainer import policy_tokenizer
 from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow, TimelineRow
-from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
+from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
 from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 from gyre_hpc.trees.builder import build_tree
 from gyre_hpc.trees.loss import run_targets, step_denominator
@@ -163,6 +163,7 @@ class StepState:
     flips: list[FlipRecord] = field(default_factory=list)
     migrations: list[tuple[int, int, int, float]] = field(default_factory=list)  # (cell, requests, bytes, s)
     run_started: dict[str, float] = field(default_factory=dict)   # run id -> monotonic start
+    run_started_at: dict[str, float] = field(default_factory=dict)   # run id -> unix start (metrics)
     # False while the step's runs roll out ahead of it (async: during the previous step's
     # training); its finished groups wait in ``held`` so the store stays in step order.
     active: bool = True
@@ -233,6 +234,7 @@ class RLStepDriver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.demand = DemandClock(self.engine_capacity_requests())
         self._next: tuple[StepState, list[asyncio.Task]] | None = None   # the next step, rolling out ahead
+        self._pool: asyncio.Semaphore | None = None   # the harness pool: places for one step's runs
         self._weights_push_s: float | None = None    # the latest measured weight broadcast to the engines
         self._run_tokens = (0, 0)                    # (training tokens, runs) of the groups committed so far
         self._recomputed_mark = 0                    # recomputed prefill counted in earlier steps
@@ -281,7 +283,14 @@ class RLStepDriver:
                 if i >= self.trained_upto and rid.startswith(prefix)}
 
     async def _agent(self, spec: RunSpec, st: StepState) -> None:
+        # The harness pool (one step's runs): a run rolled out ahead (async) starts when a run
+        # of the current step finishes and frees its place, as in the simulator.
+        async with self._pool:
+            await self._agent_run(spec, st)
+
+    async def _agent_run(self, spec: RunSpec, st: StepState) -> None:
         st.run_started[spec.run_id] = time.monotonic()
+        st.run_started_at[spec.run_id] = time.time()
         client: CountingRunClient = self.driver.client(spec.run_id, spec.seed)
         args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.journal",
                 self.harness_cfg)
@@ -545,11 +554,14 @@ class RLStepDriver:
         return st, tasks
 
     def _may_roll_ahead(self, st: StepState) -> bool:
-        """Async: once this step's runs are all done, the next step's may start while this one
-        trains, if its data will be at most ``max_staleness`` versions old when trained."""
+        """Async (continuous admission, ``sched.staleness.may_launch_batch``, the simulator's
+        rule): once every run of this step has started, the next step launches if its data will
+        be at most ``max_staleness`` versions old when trained. Its runs take the places this
+        step's runs free, so engines keep generating through this step's tail and training."""
         gate = staleness_bound(self.fleet.policy)
-        return (gate > 0 and self._next is None and st.runs_done and st.step < self.cfg.train.steps
-                and may_start_rollout(st.step, self.policy_version, gate))
+        all_started = all(s.run_id in st.run_started or s.run_id in st.outcomes for s in st.specs)
+        return (self._next is None and st.step < self.cfg.train.steps
+                and may_launch_batch(st.step, self.policy_version, gate, all_started))
 
     async def run_step_async(self, step: int) -> RLStepRecord | None:
         t0 = time.perf_counter()
@@ -662,7 +674,8 @@ class RLStepDriver:
         self._step_rows = [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
                                   status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
                                   calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
-                                  restarts=o.restarts, policy_version=o.tree.policy_version, model_s=o.model_s)
+                                  restarts=o.restarts, policy_version=o.tree.policy_version, model_s=o.model_s,
+                                  started=st.run_started_at.get(o.spec.run_id, 0.0))
                            for o in outs]
         self._step_rows.append(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
                                        replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
@@ -691,6 +704,7 @@ class RLStepDriver:
         runs = self.cfg.rollout.tasks_per_step * self.cfg.rollout.runs_per_task
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(ThreadPoolExecutor(max_workers=2 * runs + 4))
+        self._pool = asyncio.Semaphore(runs)
         self.resume_engines()
         if self.plans_from_rates:
             # Measure this fleet's weight broadcast once (the weights the engines already hold,

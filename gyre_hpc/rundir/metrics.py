@@ -46,10 +46,12 @@ TABLES: dict[str, list[tuple[str, Any]]] = {
     # Supervisor and job-level events: launch, relaunch, requeue, resume, finish.
     "events": [("time", "f8"), ("event", _STR), ("step", "i4"), ("detail", _TEXT)],
     # One row per finished agent run (rl workload): how flips touched it. restarts must stay 0.
+    # ``started``: when the run took its place in the harness pool (unix time; async runs of
+    # step s+1 start while step s's last runs still roll out); 0 for a tree read from the store.
     "runs": [
         ("time", "f8"), ("step", "i4"), ("run_id", _STR), ("task_id", _STR), ("status", _STR),
         ("reward", "f8"), ("wall_s", "f8"), ("calls", "i4"), ("migrations", "i4"), ("restarts", "i4"),
-        ("policy_version", "i4"), ("model_s", "f8"),
+        ("policy_version", "i4"), ("model_s", "f8"), ("started", "f8"),
     ],
 }
 
@@ -115,6 +117,7 @@ class RunRow:
     restarts: int = 0
     policy_version: int = 0
     model_s: float = 0.0       # wall time the run spent waiting on model calls (the rest is tools)
+    started: float = 0.0       # unix time the run took its harness place (0: read from the store)
 
 
 _ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", EventRow: "events",

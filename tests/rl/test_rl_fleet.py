@@ -233,3 +233,12 @@ def test_async_rolls_out_the_next_step_while_this_one_trains_within_staleness_1(
     lag = [version[int(s)] - 1 - int(v) for s, v in zip(runs["step"], runs["policy_version"])]
     assert max(lag) == 1 and min(lag) >= 0
     assert sorted(set(int(s) for s, d in zip(runs["step"], lag) if d == 1)) == [2, 3]
+    # Continuous admission (the simulator's rule): step 2's first run took the place of a
+    # finished step-1 run before step 1's last run ended, never more runs at once than one
+    # step's (the harness pool).
+    end = runs["started"] + runs["wall_s"]
+    first2 = min(runs["started"][runs["step"] == 2])
+    assert first2 < max(end[runs["step"] == 1])
+    pool = int(sum(runs["step"] == 1))
+    for t in runs["started"]:
+        assert int(sum((runs["started"] <= t) & (end > t))) <= pool
