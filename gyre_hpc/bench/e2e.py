@@ -2,10 +2,10 @@
 
 Each policy (elastic, colocate, async) runs the real fleet (controller, engines over MPI,
 harness runs, trees, streaming training) on the same workload with the same seeds:
-``--workload easy-3turn`` (three model calls per run with ``rollout.tool_latency_s``, a
-lognormal environment wait after each tool call, so on a small machine runs spend most of
-their time in tools and idle engines exist to be reclaimed) or ``--workload long`` (the
-long-horizon suite of ``make run``, tens of calls per run, sub-agents, a wall clock). Launcher: the
+``--workload long`` (the default: the long-horizon suite of ``make run``, tens of calls per
+run, sub-agents, a wall clock) or ``--workload easy-3turn`` (three model calls per run with
+``rollout.tool_latency_s``, a lognormal environment wait after each tool call, so on a small
+machine runs spend most of their time in tools and idle engines exist to be reclaimed). Launcher: the
 local Slurm cluster when it is up (one ``srun`` het step per policy over its virtual nodes),
 else ``mpiexec`` on this machine (``--launcher``; the JSON says which). Per policy: wall time per step,
 busy fractions (``rundir.load.time_fractions``), flips and KV migrations; elastic's speedups
@@ -130,14 +130,27 @@ def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
     return {"run_dir": str(run.root), "launch_wall_s": wall, "result": json.loads(out.read_text())}
 
 
+def steady(step_s: list[float]) -> list[float]:
+    """The steps a policy's steady rate is read from: without the first (imports, the first
+    sandbox start, allocator warm-up) and, from three steps on, without the last. Async
+    fills and drains a pipeline: its first step also rolls out part of the next, and its last
+    has no next step to roll out, so it is short by the work the others did ahead; a middle
+    step does both, as every step of a long run does. The same slice is used for every
+    policy and for the simulator's steps."""
+    if len(step_s) >= 3:
+        return step_s[1:-1]
+    return step_s[1:] if len(step_s) > 1 else step_s
+
+
 def slowest_run_share(runs: dict, steps: dict) -> float | None:
-    """Mean over steps after the first of (the step's slowest run) / (step wall time): near 1,
+    """Mean over the steady steps (``steady``) of (the step's slowest run) / (step wall time): near 1,
     the step is the slowest run's own time (its tool waits and calls) and no schedule of the
     cells can shorten it much; what a policy can win is the rest."""
     shares = []
+    kept = set(steady([int(x) for x in steps["step"]]))
     for step, wall in zip(steps["step"], steps["wall_s"]):
         mine = runs["wall_s"][runs["step"] == step]
-        if int(step) != int(min(steps["step"])) and len(mine) and wall > 0:
+        if int(step) in kept and len(mine) and wall > 0:
             shares.append(float(max(mine)) / float(wall))
     return round(statistics.fmean(shares), 3) if shares else None
 
@@ -154,9 +167,9 @@ def summarize(policy: str, got: dict) -> dict:
     return {
         "step_s": [round(x, 3) for x in step_s],
         "mean_step_s": round(statistics.fmean(step_s), 3),
-        # The first step pays one-off costs (imports, first sandbox start, allocator warm-up);
-        # the steady figure is what the policies differ in.
-        "steady_step_s": round(statistics.fmean(step_s[1:] if len(step_s) > 1 else step_s), 3),
+        # The steady figure (``steady``: no warm-up, no pipeline fill or drain) is what the
+        # policies differ in.
+        "steady_step_s": round(statistics.fmean(steady(step_s)), 3),
         "total_s": round(sum(step_s), 3),
         "busy": {k: round(v, 3) for k, v in fractions.items()},
         "slowest_run_share": share,
@@ -258,11 +271,11 @@ def simulate(reps: dict[str, list[dict]], all_summaries: dict[str, list[dict]], 
         overrides.setdefault("run", {})["tool_s"] = lognormal_fit(tool)
     w = override(preset("tiny"), overrides)
     out = {"measured_from": runs["elastic"]["run_dir"], "not_measured": measured["elastic"].not_measured,
-           "compared": ("mean step time after the first (the simulator models no warm-up), against the mean "
-                        "of the policy's repeats"), "policies": {}}
+           "compared": ("mean time of the steady steps (bench.e2e.steady: not the first, not the last), "
+                        "against the mean of the policy's repeats"), "policies": {}}
     for name in runs:
         r = sim_run(w, policy_for(w, name), name)
-        predicted = statistics.fmean(r.step_s)
+        predicted = statistics.fmean(steady(list(r.step_s)))
         each = [s["steady_step_s"] for s in all_summaries[name]]
         real = statistics.fmean(each)
         out["policies"][name] = {"predicted_step_s": round(predicted, 3), "measured_step_s": round(real, 3),
@@ -281,7 +294,8 @@ def ranks_main(run_dir: str, out: str) -> int:
 
 
 @click.command()
-@click.option("--steps", default=3, show_default=True, help="RL steps per policy")
+@click.option("--steps", default=4, show_default=True,
+              help="RL steps per policy (the steady figure reads the ones between the first and the last)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--policies", default=",".join(POLICIES), show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="keep the run directories here")
@@ -289,8 +303,9 @@ def ranks_main(run_dir: str, out: str) -> int:
 @click.option("--launcher", type=click.Choice(["auto", "local", "slurm"]), default="auto", show_default=True,
               help="auto: the local Slurm cluster if it is up, else mpiexec on this machine")
 @click.option("--repeats", default=3, show_default=True, help="runs of each policy (same seed): the spread")
-@click.option("--workload", type=click.Choice(WORKLOADS), default="easy-3turn", show_default=True,
-              help="long: the long-horizon suite of make run (examples/local.yaml), policy frozen")
+@click.option("--workload", type=click.Choice(WORKLOADS), default="long", show_default=True,
+              help="long: the long-horizon suite of make run (examples/local.yaml), policy frozen; "
+                   "easy-3turn: three calls per run and a lognormal tool wait (quick)")
 @click.option("--json", "as_json", is_flag=True)
 def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: float, launcher: str,
             repeats: int, workload: str, as_json: bool) -> None:

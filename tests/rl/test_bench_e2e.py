@@ -15,7 +15,7 @@ from tests.rl.rl_helpers import REPO, mpi_env
 def test_bench_e2e_reports_each_policy_the_speedup_and_the_forecast(tmp_path):
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
     proc = subprocess.run([gyre, "bench", "e2e", "--json", "--steps", "2", "--policies", "elastic,async",
-                           "--repeats", "1", "--launcher", "local", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO,
+                           "--repeats", "1", "--launcher", "local", "--workload", "easy-3turn", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -54,14 +54,23 @@ def test_bench_e2e_refuses_a_comparison_without_elastic():
     assert proc.returncode != 0 and "elastic included" in proc.stderr
 
 
+def test_steady_steps_leave_out_the_warm_up_and_the_pipeline_drain():
+    from gyre_hpc.bench.e2e import steady
+
+    assert steady([9.0, 5.0, 6.0, 2.0]) == [5.0, 6.0]
+    assert steady([9.0, 5.0, 2.0]) == [5.0]
+    assert steady([9.0, 5.0]) == [5.0]
+    assert steady([9.0]) == [9.0]
+
+
 def test_slowest_run_share_is_the_steady_steps_slowest_run_over_the_step():
     import numpy as np
 
     from gyre_hpc.bench.e2e import slowest_run_share
 
-    runs = {"step": np.array([1, 1, 2, 2, 3]), "wall_s": np.array([9.0, 1.0, 3.0, 4.0, 2.0])}
-    steps = {"step": np.array([1, 2, 3]), "wall_s": np.array([10.0, 5.0, 4.0])}
-    # step 1 (warm-up) left out: (4/5 + 2/4) / 2
+    runs = {"step": np.array([1, 1, 2, 2, 3, 4]), "wall_s": np.array([9.0, 1.0, 3.0, 4.0, 2.0, 1.0])}
+    steps = {"step": np.array([1, 2, 3, 4]), "wall_s": np.array([10.0, 5.0, 4.0, 8.0])}
+    # step 1 (warm-up) and step 4 (the drain) left out: (4/5 + 2/4) / 2
     assert slowest_run_share(runs, steps) == 0.65
     assert slowest_run_share(runs, {"step": np.array([1]), "wall_s": np.array([10.0])}) is None
 
