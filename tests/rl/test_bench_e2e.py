@@ -72,7 +72,9 @@ def test_slowest_run_share_is_the_steady_steps_slowest_run_over_the_step():
     steps = {"step": np.array([1, 2, 3, 4]), "wall_s": np.array([10.0, 5.0, 4.0, 8.0])}
     # step 1 (warm-up) and step 4 (the drain) left out: (4/5 + 2/4) / 2
     assert slowest_run_share(runs, steps) == 0.65
-    assert slowest_run_share(runs, {"step": np.array([1]), "wall_s": np.array([10.0])}) is None
+    # one step: it is all there is (as for the steady step time)
+    assert slowest_run_share(runs, {"step": np.array([1]), "wall_s": np.array([10.0])}) == 0.9
+    assert slowest_run_share(runs, {"step": np.array([5]), "wall_s": np.array([10.0])}) is None
 
 
 def test_limits_name_the_saturated_resource_and_the_slowest_run_share():
