@@ -220,9 +220,13 @@ def limits(all_summaries: dict[str, list[dict]], resources: dict) -> dict:
     if resources.get("saturated"):
         notes.append(f"{resources['saturated']} saturated ({resources['note']}): a released engine's cell trains on "
                      f"the same cores the engines and tools use, so it moves compute instead of adding it")
-    if share and min(share.values()) >= 0.8:
-        notes.append(f"the slowest run is {min(share.values()):.0%}-{max(share.values()):.0%} of a step: its own tool "
-                     f"waits and calls, which no cell schedule shortens")
+    on_policy = {p: v for p, v in share.items() if p != "async"}
+    if on_policy and min(on_policy.values()) >= 0.8:
+        notes.append(f"the slowest run is {min(on_policy.values()):.0%}-{max(on_policy.values()):.0%} of an on-policy "
+                     f"step: its own tool waits and calls, which no cell schedule of one step shortens")
+    if share.get("async", 0) > 1:
+        notes.append(f"async's slowest run is {share['async']:.0%} of its step: it overlaps the next step's runs "
+                     f"(continuous admission, staleness 1), which an on-policy schedule (elastic) may not do")
     return {"targets": TARGETS, "saturated": resources.get("saturated"), "slowest_run_share": share,
             "note": "; ".join(notes)}
 

@@ -84,8 +84,11 @@ def test_limits_name_the_saturated_resource_and_the_slowest_run_share():
             "async": [{"slowest_run_share": None}, {"slowest_run_share": 1.0}]}
     got = limits(runs, {"saturated": "cpu", "note": "load 9.0 on 2 cores"})
     assert got["saturated"] == "cpu" and got["slowest_run_share"] == {"elastic": 0.85, "async": 1.0}
-    assert "cpu saturated" in got["note"] and "85%-100% of a step" in got["note"]
+    assert "cpu saturated" in got["note"] and "85%-85% of an on-policy step" in got["note"]
     assert limits(runs, {"saturated": None})["note"].startswith("the slowest run")
+    runs["async"][0]["slowest_run_share"] = 1.5   # async's tail hides behind the next step's runs
+    got = limits(runs, {"saturated": None})
+    assert got["slowest_run_share"]["async"] == 1.25 and "async's slowest run is 125% of its step" in got["note"]
 
 
 def test_long_workload_is_make_runs_config_with_the_policy_and_a_frozen_lr(tmp_path):
