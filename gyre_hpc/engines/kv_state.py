@@ -89,6 +89,18 @@ class KVState:
         return int(self.kv[0][0].shape[0]) if self.kv else 0
 
     @property
+    def context_len(self) -> int:
+        """Tokens whose KV a continuing engine needs: the prompt and every sampled token but
+        the last (the next decode input)."""
+        return self.request.prompt_len + max(len(self.token_ids) - 1, 0)
+
+    @property
+    def partial(self) -> bool:
+        """A sequence exported in the middle of a budgeted prefill: ``kv`` covers the first
+        ``cached_len`` tokens of its context; the destination prefills the rest only."""
+        return bool(self.kv) and not self.retained and self.cached_len < self.context_len
+
+    @property
     def remaining_tokens(self) -> int:
         return self.request.params.max_new_tokens - len(self.token_ids)
 
@@ -109,6 +121,9 @@ class KVState:
                              f"max_new_tokens={self.request.params.max_new_tokens}")
         if not self.kv:
             return  # never prefilled, or a state whose cache did not travel (the destination recomputes it)
+        if self.partial:
+            self._check_kv(self.cached_len, "cached_len")   # layers, heads, dtype
+            return
         if not self.token_ids:
             raise ValueError(f"KVState {rid}: has a kv cache but no token_ids; the first token is sampled at prefill")
         self._check_kv(self.request.prompt_len + len(self.token_ids) - 1, "prompt_len + len(token_ids) - 1")

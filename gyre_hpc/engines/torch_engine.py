@@ -64,6 +64,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prefilled: bool = False      # holds a row of the engine's cache
+    reuse: tuple = ()            # KV of its context's first tokens: a partial prefill that moved here
 
 
 class TorchEngine(EngineBookkeeping, Engine):
@@ -178,7 +179,7 @@ class TorchEngine(EngineBookkeeping, Engine):
             while self._queue and budget > 0 and len(self._running) + (self._staging is not None) < self.max_batch:
                 seq = self._queue.popleft()
                 context = list(seq.request.prompt_ids) + seq.tokens[:-1]
-                reuse = self._take_retained(seq, context)
+                reuse, seq.reuse = seq.reuse or self._take_retained(seq, context), ()
                 need = len(context) - (int(reuse[0][0].shape[0]) if reuse else 0)
                 if need <= budget:
                     budget -= need
@@ -385,7 +386,9 @@ class TorchEngine(EngineBookkeeping, Engine):
         if seq.prefilled:
             kv = self._cache.read(self._rows.index(seq))
             self._remove_row(seq)
-        elif seq is self._staging:   # a partial prefill does not travel: the destination redoes it
+        elif seq is self._staging:   # a partial prefill travels: the destination fills only the rest
+            if self._staging_cache.lengths[0] > 0:
+                kv = self._staging_cache.read(0)
             self._staging = self._staging_cache = None
         else:
             self._queue.remove(seq)
@@ -410,8 +413,11 @@ class TorchEngine(EngineBookkeeping, Engine):
         seq = _Sequence(state.request, state.seed, gen, min(state.policy_version, self._version),
                         migrations=state.migrations, tokens=list(state.token_ids), logprobs=list(state.logprobs))
         self._c["migrations_in"] += 1
-        if not state.prefilled:
-            self._queue.append(seq)  # prefilled at the next step (recompute states included)
+        if not state.prefilled or state.partial:
+            # Prefilled at the next step (recompute states included); a partial prefill's KV
+            # is written into its row there and only the rest of its context runs.
+            seq.reuse = tuple((k.to(self._device), v.to(self._device)) for k, v in state.kv)
+            self._queue.append(seq)
             return
         row = self._add_row(seq, state.cached_len + 1)
         self._cache.write(row, [(k.to(self._device), v.to(self._device)) for k, v in state.kv])

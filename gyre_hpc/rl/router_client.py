@@ -58,6 +58,7 @@ class RouterDriver:
         # it is routed, instead of all landing on the engines that happen to be open.
         self.queue: list[Request] = []
         self._routed: set[str] = set()
+        self._session: dict[str, str] = {}   # request id -> its session, until it finishes
         self.restarts: Counter = Counter()   # run tag -> requests routed again
 
     def client(self, run_id: str, run_seed: int) -> "CountingRunClient":
@@ -73,11 +74,17 @@ class RouterDriver:
         request = Request(rid, tuple(int(t) for t in prompt), params, session=session)
         self.queue.append(request)
         self.prompt_tokens += request.prompt_len
+        if session is not None:
+            self._session[rid] = session
         try:
             return await fut
         finally:
             self._waiting.pop(rid, None)
             self._routed.discard(rid)
+            if request in self.queue:      # its caller is gone (a wall clock) before routing: not sent
+                self.queue.remove(request)
+                self.prompt_tokens -= request.prompt_len
+                self._session.pop(rid, None)
 
     def dispatch(self) -> int:
         """Route every queued request (least outstanding tokens); returns how many."""
@@ -98,9 +105,16 @@ class RouterDriver:
                 self.started.add(ev.request_id)
         for out in self.router.pop_finished():
             self.started.discard(out.request_id)
+            session = self._session.pop(out.request_id, None)
             fut = self._waiting.get(out.request_id)
             if fut is not None and not fut.done():
                 fut.set_result(out)
+            elif session is not None:
+                # Nobody waits for it: the run's wall clock cancelled the call, and the run
+                # ended (forgetting its contexts) while the engine still decoded it. The
+                # context the engine kept at the finish belongs to no live run: drop it now
+                # rather than hold memory until LRU eviction.
+                self.router.forget([session])
         return len(events)
 
     def forget_run(self, run_id: str) -> int:

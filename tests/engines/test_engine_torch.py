@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gyre_hpc.engines import Request
-from gyre_hpc.engines.kv_state import KVState
+from gyre_hpc.engines.kv_state import KVState, from_wire, to_wire
 from gyre_hpc.engines.sampling import sample_token
 from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.models.checkpoint import load_pretrained
@@ -139,17 +139,37 @@ def test_a_prefill_budget_keeps_the_batch_decoding_while_a_long_prompt_fills(mod
     assert budgeted.counters().prefill_tokens == short.prompt_len + long.prompt_len
 
 
-def test_a_sequence_exported_mid_prefill_travels_unprefilled_and_finishes_exactly(model_dir):
+def test_a_sequence_exported_mid_prefill_carries_its_partial_kv_and_finishes_exactly(model_dir):
+    """Exported in the middle of a budgeted prefill, the sequence carries the KV of what is
+    filled; the destination fills only the rest (no prompt token prefilled twice) and the
+    output equals an unmoved run's."""
     a = TorchEngine.from_pretrained(model_dir, name="a", max_prefill_tokens=16)
     b = TorchEngine.from_pretrained(model_dir, name="b")
     req = Request("p", prompt(9, length=60), greedy(8))
     a.submit(req)
     a.step()
-    assert a.request_ids() == ["p"] and a.load().queued == 1 and a.counters().prefill_tokens == 16
+    a.step()
+    assert a.request_ids() == ["p"] and a.load().queued == 1 and a.counters().prefill_tokens == 32
     state = a.kv_export("p")
-    assert not state.prefilled and state.token_ids == () and a.request_ids() == []
-    b.kv_import(state)
-    assert run_all(b)["p"].token_ids == TorchEngine.from_pretrained(model_dir).generate(req).token_ids
+    assert state.partial and state.cached_len == 32 and state.token_ids == () and a.request_ids() == []
+    wire = from_wire(*to_wire(state))        # the MPI path's form
+    assert wire.partial and wire.cached_len == 32
+    b.kv_import(wire)
+    reference = TorchEngine.from_pretrained(model_dir).generate(req)
+    out = run_all(b)["p"]
+    assert out.token_ids == reference.token_ids
+    assert out.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+    assert a.counters().prefill_tokens + b.counters().prefill_tokens == req.prompt_len
+
+
+def test_a_partial_state_with_kv_of_the_wrong_shape_is_refused(model_dir):
+    a = TorchEngine.from_pretrained(model_dir, name="a", max_prefill_tokens=16)
+    a.submit(Request("p", prompt(9, length=60), greedy(8)))
+    a.step()
+    state = a.kv_export("p")
+    bad = KVState(**{**state.__dict__, "kv": tuple((k[:, :, :1], v) for k, v in state.kv)})
+    with pytest.raises(ValueError, match=r"kv\[0\]\.k has shape"):
+        bad.check()
 
 
 def test_a_bad_prefill_budget_is_named(model_dir):

@@ -218,6 +218,38 @@ def test_an_agents_calls_reuse_its_context_on_its_engine_and_forget_run_drops_it
     assert router.session_home("r1/main") is not None
 
 
+def test_a_call_whose_run_is_gone_is_not_sent_or_leaves_no_context_behind():
+    """A run's wall clock cancels its call: before routing, the call is never sent; after,
+    the engine finishes it with nobody waiting, and the context it kept is dropped then
+    (the run already forgot its sessions), not held until LRU eviction."""
+    engines = {0: TorchEngine(build_model("tiny", seed=0), name="e0", seed=0)}
+    router = Router(InProcessEngines(engines), [0])
+    driver = RouterDriver(router)
+    client = driver.client("r0", 1)
+
+    async def cancelled_calls():
+        call = asyncio.create_task(client.complete([5, 6, 7, 8], 8, []))
+        await asyncio.sleep(0)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        assert driver.queue == [] and driver.prompt_tokens == 0
+        call = asyncio.create_task(client.complete([5, 6, 7, 8], 8, []))
+        await asyncio.sleep(0)
+        assert driver.dispatch() == 1
+        driver.pump()
+        assert router.unfinished() == 1          # mid-decode when its run's clock runs out
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        driver.forget_run("r0")                 # the run ended
+        while router.unfinished():
+            driver.pump()
+        driver.pump()
+
+    asyncio.run(cancelled_calls())
+    assert driver.prompt_tokens == 4
+    assert not set(router.sessions) and not engines[0].retained_sessions()
+
+
 def test_restarts_count_requests_routed_again_not_a_context_asked_twice():
     """A run asking twice for the same context is answered twice (same seed, same sample)
     and is no restart; a request of the run routed a second time is one."""
