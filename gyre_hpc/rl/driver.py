@@ -162,8 +162,7 @@ class StepState:
     start_version: int = 0      # the trainer's newest version when the step's rollouts began
     flips: list[FlipRecord] = field(default_factory=list)
     migrations: list[tuple[int, int, int, float]] = field(default_factory=list)  # (cell, requests, bytes, s)
-    run_started: dict[str, float] = field(default_factory=dict)   # run id -> monotonic start
-    run_started_at: dict[str, float] = field(default_factory=dict)   # run id -> unix start (metrics)
+    run_started: dict[str, float] = field(default_factory=dict)   # run id -> unix time it took its place
     # False while the step's runs roll out ahead of it (async: during the previous step's
     # training); its finished groups wait in ``held`` so the store stays in step order.
     active: bool = True
@@ -289,8 +288,7 @@ class RLStepDriver:
             await self._agent_run(spec, st)
 
     async def _agent_run(self, spec: RunSpec, st: StepState) -> None:
-        st.run_started[spec.run_id] = time.monotonic()
-        st.run_started_at[spec.run_id] = time.time()
+        st.run_started[spec.run_id] = time.time()
         client: CountingRunClient = self.driver.client(spec.run_id, spec.seed)
         args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.journal",
                 self.harness_cfg)
@@ -675,7 +673,7 @@ class RLStepDriver:
                                   status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
                                   calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
                                   restarts=o.restarts, policy_version=o.tree.policy_version, model_s=o.model_s,
-                                  started=st.run_started_at.get(o.spec.run_id, 0.0))
+                                  started=st.run_started.get(o.spec.run_id, 0.0))
                            for o in outs]
         self._step_rows.append(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
                                        replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
