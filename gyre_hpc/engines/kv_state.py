@@ -126,7 +126,7 @@ class KVState:
             return
         if not self.token_ids:
             raise ValueError(f"KVState {rid}: has a kv cache but no token_ids; the first token is sampled at prefill")
-        self._check_kv(self.request.prompt_len + len(self.token_ids) - 1, "prompt_len + len(token_ids) - 1")
+        self._check_kv(self.context_len, "prompt_len + len(token_ids) - 1")
 
     def _check_retained(self) -> None:
         rid = self.request_id
