@@ -245,21 +245,77 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return out.stdout.split()
 
 
+# srun -v prints one of these per exit message it gets (22.05: "srun: launch/slurm: _task_finish:
+# Received ...", later releases drop the prefix); the status is the raw wait status.
+_TASK_EXIT_RE = re.compile(rb"^srun: .*?Received task exit notification for (\d+) tasks? of .*?"
+                           rb"\(status=0x([0-9a-fA-F]+)\)", re.M)
+
+
+def tasks_exit_code(exits: list[tuple[int, int]], ntasks: int) -> int | None:
+    """The step's exit code from srun's task exit notifications ``(tasks, wait status)``, or
+    None until they cover all ``ntasks`` tasks. 0 when every task exited 0; otherwise the first
+    abnormal end (128+N for signal N): with ``--kill-on-bad-exit`` that task is the cause and
+    the later ones are srun's kill of the rest."""
+    if sum(n for n, _ in exits) < ntasks:
+        return None
+    for _, status in exits:
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            return exit_status(code)
+    return 0
+
+
 class SlurmHandle(FleetHandle):
-    """A running srun. Also a watchdog: srun 22.05 can hang (futex wait) after a het step whose
-    tasks all ended, so once the step has left ``scontrol show step`` for ``orphan_grace_s``
-    while srun lives on, srun is killed and the fleet reported dead instead of waited on forever.
+    """A running srun, and a watchdog over a bug of srun 22.05's pmix plugin: after a het step's
+    tasks have all ended, srun can hang joining its abort agent (seen here in about one het step
+    in five) or die in a double free. Either way srun has already printed (``-v``) an exit
+    notification for every task, so the step's code is read from those (``tasks_exit_code``).
+    srun is killed once its step has left ``scontrol show step`` for ``teardown_grace_s`` with
+    every task's exit in hand, or for ``orphan_grace_s`` without; ``orphaned`` then says so, and
+    a hang without every exit reports 137 instead of being waited on forever.
     """
 
-    def __init__(self, proc, command, log_path, prefer_job: str | None, orphan_grace_s: float = 60.0):
+    def __init__(self, proc, command, log_path, prefer_job: str | None, orphan_grace_s: float = 60.0,
+                 ntasks: int | None = None, log_offset: int = 0, teardown_grace_s: float = 5.0):
         super().__init__(proc, command, log_path)
         self._prefer_job = prefer_job
         self._step_id: str | None = None
         self._host = socket.gethostname()
         self.orphan_grace_s = orphan_grace_s
+        self.teardown_grace_s = teardown_grace_s
         self._gone_since: float | None = None
         self._last_check = 0.0
         self.orphaned = False
+        self._ntasks = ntasks
+        self._log_pos = log_offset          # the log is appended to across launches: ours starts here
+        self._exits: list[tuple[int, int]] = []
+        self._killing = False
+        self._orphan_code: int | None = None   # what a killed orphan reports, every poll after
+
+    def tasks_code(self) -> int | None:
+        """The step's exit code from srun's task exit notifications so far (None: not all in, or
+        no log or task count to read them against)."""
+        if self._ntasks is None or self.log_path is None:
+            return None
+        with contextlib.suppress(FileNotFoundError), open(self.log_path, "rb") as f:
+            f.seek(self._log_pos)
+            chunk = f.read()
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            self._log_pos += len(complete)
+            self._exits += [(int(n), int(st, 16)) for n, st in _TASK_EXIT_RE.findall(complete)]
+        return tasks_exit_code(self._exits, self._ntasks)
+
+    def _srun_code(self) -> int | None:
+        """srun's exit status, or the tasks' where srun died of a signal nobody here sent it (the
+        double free) after every task's exit was in."""
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        if rc < 0 and not self._killing:
+            code = self.tasks_code()
+            if code is not None:
+                return code
+        return exit_status(rc)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -272,7 +328,9 @@ class SlurmHandle(FleetHandle):
             time.sleep(0.2)
 
     def poll(self) -> int | None:
-        rc = super().poll()
+        if self._orphan_code is not None:
+            return self._orphan_code
+        rc = self._srun_code()
         if rc is not None:
             return rc
         now = time.monotonic()
@@ -282,16 +340,23 @@ class SlurmHandle(FleetHandle):
         self._last_check = now
         if self._step_id is None:
             self.step_id  # learn it while the step runs, so a hang after it can be recognised
-            return None
-        if find_step(self._host, self.proc.pid, self._prefer_job) is not None:
+            # A step shorter than a check interval is never seen; all its tasks' exits still are.
+            if self._step_id is not None or self.tasks_code() is None:
+                return None
+        elif find_step(self._host, self.proc.pid, self._prefer_job) is not None:
             self._gone_since = None
             return None
         self._gone_since = self._gone_since or now
-        if now - self._gone_since < self.orphan_grace_s or super().poll() is not None:
-            return super().poll()
+        code = self.tasks_code()
+        grace = self.orphan_grace_s if code is None else self.teardown_grace_s
+        if now - self._gone_since < grace or self.proc.poll() is not None:
+            return self._srun_code()
         self.orphaned = True
+        self._killing = True
         self._kill_srun()
-        return exit_status(self.proc.wait())
+        self.proc.wait()
+        self._orphan_code = 137 if code is None else code
+        return self._orphan_code
 
     def _kill_srun(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -318,6 +383,7 @@ class SlurmHandle(FleetHandle):
         raise LaunchError(f"no Slurm step for srun pid {self.proc.pid} after {timeout_s:.0f} s; see {self.log_path}")
 
     def kill(self, grace_s: float = 5.0) -> int:
+        self._killing = True
         if self.proc.poll() is None:
             step = self.step_id
             if step is not None:
@@ -330,7 +396,8 @@ class SlurmHandle(FleetHandle):
                 return self.wait(grace_s + 10)
             except subprocess.TimeoutExpired:
                 self._kill_srun()
-        return exit_status(self.proc.wait())
+        self.proc.wait()
+        return self.poll()
 
 
 class SlurmLauncher(Launcher):
@@ -343,8 +410,10 @@ class SlurmLauncher(Launcher):
 
     def command(self, plan: FleetPlan, argv: list[str]) -> list[str]:
         # --kill-on-bad-exit: one dead rank ends the step, so the supervisor sees it and relaunches
-        # instead of the other ranks hanging in a collective.
-        cmd = ["srun", f"--mpi={self.mpi}", "--kill-on-bad-exit=1", f"--job-name={self.job_name}", *self.extra_args]
+        # instead of the other ranks hanging in a collective. -v: srun logs each task exit it
+        # gets, which is how SlurmHandle still knows the step's code when srun hangs after it.
+        cmd = ["srun", "-v", f"--mpi={self.mpi}", "--kill-on-bad-exit=1", f"--job-name={self.job_name}",
+               *self.extra_args]
         groups = plan.het_groups
         if groups is not None:
             return cmd + [f"--het-group={','.join(map(str, groups))}", *argv]
@@ -369,8 +438,9 @@ class SlurmLauncher(Launcher):
                         "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
                 run_env.pop(var, None)
         command = self.command(plan, argv)
+        offset = Path(log_path).stat().st_size if log_path is not None and Path(log_path).exists() else 0
         return SlurmHandle(_popen(command, log_path, run_env, cwd), command, log_path,
-                           prefer_job=os.environ.get("SLURM_JOB_ID"))
+                           prefer_job=os.environ.get("SLURM_JOB_ID"), ntasks=plan.world_size, log_offset=offset)
 
 
 def launcher_for(name: str, mpi: str = "pmix", extra_args: list[str] = ()) -> Launcher:

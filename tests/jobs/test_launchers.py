@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,8 @@ import pytest
 
 from gyre_hpc.config import build_config
 from gyre_hpc.jobs import plan as fleet_plan
-from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher, exit_status, expand_nodelist, launcher_for, LaunchError
+from gyre_hpc.jobs.launchers import (LaunchError, LocalLauncher, SlurmHandle, SlurmLauncher, exit_status,
+                                     expand_nodelist, launcher_for, tasks_exit_code)
 
 PROBE = str(Path(__file__).with_name("mpi_probe.py"))
 
@@ -142,7 +144,7 @@ def test_slurm_command_uses_het_groups_inside_a_het_job():
            "SLURM_JOB_NODELIST_HET_GROUP_1": "c2", "SLURM_JOB_NODELIST_HET_GROUP_2": "c3"}
     plan = fleet_plan.plan_for_het_job(cfg, env)
     cmd = SlurmLauncher(mpi="pmix").command(plan, ["prog"])
-    assert cmd == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--job-name=gyre-fleet", "--het-group=0,1,2", "prog"]
+    assert cmd == ["srun", "-v", "--mpi=pmix", "--kill-on-bad-exit=1", "--job-name=gyre-fleet", "--het-group=0,1,2", "prog"]
 
 
 def test_slurm_command_is_a_het_step_with_nodelists_in_an_allocation():
@@ -171,21 +173,81 @@ def test_expand_nodelist_uses_slurm_hostlist_syntax():
     assert expand_nodelist("c[1-3],d7") == ["c1", "c2", "c3", "d7"]
 
 
-@pytest.mark.slurm
-def test_srun_that_outlives_its_step_is_killed_not_waited_on(tmp_path):
-    """Seen here: srun hung in a futex after its het step's tasks were all gone. A process that
-    claims a step Slurm no longer lists stands in for that srun."""
-    from gyre_hpc.jobs.launchers import SlurmHandle
+def test_the_step_code_is_read_from_sruns_task_exit_notifications():
+    exited = lambda code: code << 8       # raw wait status of a normal exit
+    assert tasks_exit_code([(1, exited(0)), (2, exited(0))], 3) == 0
+    assert tasks_exit_code([(1, exited(0)), (1, exited(0))], 3) is None      # a task's exit not in yet
+    # the first abnormal end is the cause; the rest are --kill-on-bad-exit's kill (SIGTERM here)
+    assert tasks_exit_code([(1, exited(0)), (1, exited(75)), (1, signal.SIGTERM)], 3) == 75
+    assert tasks_exit_code([(1, signal.SIGKILL), (2, exited(3))], 3) == 137
 
-    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    handle = SlurmHandle(proc, ["srun", "..."], None, prefer_job=None, orphan_grace_s=0.5)
-    handle._step_id = "999999.0"  # known once, now absent from `scontrol show step`
-    deadline = time.monotonic() + 20
+
+def _poll_until_done(handle, timeout_s=20):
+    deadline = time.monotonic() + timeout_s
     rc = handle.poll()
     while rc is None and time.monotonic() < deadline:
         time.sleep(0.2)
         rc = handle.poll()
-    assert rc == 137 and handle.orphaned
+    return rc
+
+
+_SRUN_LOG = """srun: job 7 has been allocated resources
+srun: launch/slurm: _task_finish: Received task exit notification for 1 task of StepId=7.0 (status=0x4b00).
+rank 1 printed: Received task exit notification for 9 tasks of nothing (status=0x0000).
+srun: launch/slurm: _task_finish: Received task exit notification for 2 tasks of StepId=8.0 (status=0x000f).
+"""
+
+
+@pytest.mark.slurm
+def test_srun_that_outlives_its_step_is_killed_not_waited_on(tmp_path):
+    """Seen here: srun hung in a futex after its het step's tasks were all gone. A process that
+    claims a step Slurm no longer lists stands in for that srun."""
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    handle = SlurmHandle(proc, ["srun", "..."], None, prefer_job=None, orphan_grace_s=0.5)
+    handle._step_id = "999999.0"  # known once, now absent from `scontrol show step`
+    assert _poll_until_done(handle) == 137 and handle.orphaned
+
+
+@pytest.mark.slurm
+def test_a_hung_srun_reports_the_code_its_tasks_ended_with(tmp_path):
+    """The hang comes after srun logged every task's exit: the handle reports the tasks' code
+    (75, the first abnormal one) after the short teardown grace, not 137 after the long one.
+    The log holds an earlier launch's lines (before the offset) and a rank's look-alike line."""
+    log = tmp_path / "fleet.log"
+    earlier = "srun: launch/slurm: _task_finish: Received task exit notification for 3 tasks of StepId=6.0 (status=0x0000).\n"
+    log.write_text(earlier + _SRUN_LOG)
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    handle = SlurmHandle(proc, ["srun", "..."], log, prefer_job=None, orphan_grace_s=300, ntasks=3,
+                         log_offset=len(earlier), teardown_grace_s=0.5)
+    handle._step_id = "999999.0"
+    assert _poll_until_done(handle) == 75 and handle.orphaned
+    assert handle.poll() == 75 and handle.kill() == 75     # the answer stays once srun is gone
+
+
+def test_an_srun_that_crashes_after_every_task_exit_reports_the_tasks_code(tmp_path):
+    """The other face of the bug: srun aborts in a double free during its teardown (134)."""
+    log = tmp_path / "fleet.log"
+    log.write_text(_SRUN_LOG)
+    proc = subprocess.Popen([sys.executable, "-c", "import os; os.abort()"], start_new_session=True)
+    proc.wait()
+    assert SlurmHandle(proc, ["srun"], log, prefer_job=None, ntasks=3).poll() == 75
+    # without every task's exit in the log, srun's own status is all there is
+    assert SlurmHandle(proc, ["srun"], log, prefer_job=None, ntasks=4).poll() == 134
+
+
+@pytest.mark.slurm
+@pytest.mark.slow   # a dozen short het steps
+def test_het_steps_report_their_tasks_code_through_srun_hangs(tmp_path):
+    """srun 22.05's pmix plugin hangs after about one het step in five here; every launch must
+    still report what its ranks exited with."""
+    cfg = build_config({"cells": {"count": 2}, "launcher": "slurm"})
+    plan = fleet_plan.plan_for_nodes(cfg, _slurm_nodes(3))
+    got = []
+    for i in range(12):
+        handle = SlurmLauncher().launch(plan, [sys.executable, PROBE, str(tmp_path / f"out{i}"), "--exit-code", "75"],
+                                        log_path=tmp_path / "fleet.log")   # one log, appended to
+        got.append((handle.wait(120), handle.orphaned))
+    assert {rc for rc, _ in got} == {75}, got
 
 
 _HEAD_THAT_DIES = r'''
