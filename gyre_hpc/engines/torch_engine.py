@@ -66,6 +66,19 @@ class _Sequence:
     prefilled: bool = False      # holds a row of the engine's cache
     reuse: tuple = ()            # KV of its context's first tokens: a partial prefill that moved here
 
+    def context(self) -> list[int]:
+        """The tokens its cache row holds once filled: the prompt and all but the last token
+        generated (the last is the next decode input)."""
+        return list(self.request.prompt_ids) + self.tokens[:-1]
+
+
+@dataclass
+class _Staged:
+    """A sequence prefilled across steps in its own one-row cache; ``context`` is built once."""
+    seq: _Sequence
+    cache: SlotKVCache
+    context: list[int]
+
 
 class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
@@ -90,8 +103,7 @@ class TorchEngine(EngineBookkeeping, Engine):
         # Prompt tokens prefilled per step; a prompt longer than what is left of the budget is
         # prefilled across steps in a one-row staging cache while the batch keeps decoding.
         self.max_prefill_tokens = max_prefill_tokens
-        self._staging: _Sequence | None = None
-        self._staging_cache: SlotKVCache | None = None
+        self._staged: _Staged | None = None
         self._version = version
         cfg = model.config
         dtype = next(model.parameters()).dtype
@@ -121,7 +133,7 @@ class TorchEngine(EngineBookkeeping, Engine):
     # -- state ---------------------------------------------------------------------------
     def _waiting(self) -> list[_Sequence]:
         """Not yet decoding: the sequence being prefilled across steps, then the queue."""
-        return ([self._staging] if self._staging is not None else []) + list(self._queue)
+        return ([self._staged.seq] if self._staged is not None else []) + list(self._queue)
 
     def request_ids(self) -> list[str]:
         return [s.request.request_id for s in self._running] + [s.request.request_id for s in self._waiting()]
@@ -174,36 +186,35 @@ class TorchEngine(EngineBookkeeping, Engine):
         with torch.no_grad():
             events = self._decode() if self._running else []
             budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
-            if self._staging is not None:
+            if self._staged is not None:
                 budget -= self._continue_staging(budget, events)
-            while self._queue and budget > 0 and len(self._running) + (self._staging is not None) < self.max_batch:
+            while self._queue and budget > 0 and len(self._running) + (self._staged is not None) < self.max_batch:
                 seq = self._queue.popleft()
-                context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+                context = seq.context()
                 reuse, seq.reuse = seq.reuse or self._take_retained(seq, context), ()
                 need = len(context) - (int(reuse[0][0].shape[0]) if reuse else 0)
                 if need <= budget:
                     budget -= need
-                    event = self._prefill(seq, reuse)
+                    event = self._prefill(seq, context, reuse)
                     if event is not None:
                         events.append(event)
                 else:
-                    self._staging = seq
-                    self._staging_cache = SlotKVCache(self._layout.n_layers, self._layout.n_heads,
-                                                      self._layout.head_dim, self._layout.torch_dtype(),
-                                                      self._device, max_tokens=self.model.config.max_position)
-                    self._staging_cache.add_row(len(context) + 1)
+                    cache = SlotKVCache(self._layout.n_layers, self._layout.n_heads, self._layout.head_dim,
+                                        self._layout.torch_dtype(), self._device,
+                                        max_tokens=self.model.config.max_position)
+                    cache.add_row(len(context) + 1)
                     if reuse:
-                        self._staging_cache.write(0, reuse)
+                        cache.write(0, reuse)
+                    self._staged = _Staged(seq, cache, context)
                     budget -= self._continue_staging(budget, events)
         return events
 
     # -- the model -----------------------------------------------------------------------
-    def _prefill(self, seq: _Sequence, reuse: tuple = ()) -> TokenEvent | None:
-        """Fill a cache row with the prompt and sample the first token. A recompute state
-        (tokens but no cache) fills prompt + tokens[:-1] and samples nothing: its last
-        token is the next decode input. ``reuse``: a retained context's KV for the first
-        tokens of the prompt, written into the row; only the rest is run through the model."""
-        context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+    def _prefill(self, seq: _Sequence, context: list[int], reuse: tuple = ()) -> TokenEvent | None:
+        """Fill a cache row with ``context`` (``seq.context()``) and sample the first token. A
+        recompute state (tokens but no cache) samples nothing: its last token is the next
+        decode input. ``reuse``: a retained context's KV for the first tokens of the prompt,
+        written into the row; only the rest is run through the model."""
         row = self._add_row(seq, len(context) + 1)
         if reuse:
             self._cache.write(row, reuse)
@@ -228,13 +239,12 @@ class TorchEngine(EngineBookkeeping, Engine):
         """Prefill up to ``budget`` more tokens of the staged sequence; once its context is in,
         its row moves into the batch's cache (one copy) and it samples its first token.
         Returns the tokens used."""
-        seq, cache = self._staging, self._staging_cache
-        context = list(seq.request.prompt_ids) + seq.tokens[:-1]
+        seq, cache, context = self._staged.seq, self._staged.cache, self._staged.context
         done = cache.lengths[0]
         end = int(min(len(context), done + budget))
         logits = self._fill(cache, 0, context, done, end)
         if end == len(context):
-            self._staging = self._staging_cache = None
+            self._staged = None
             row = self._add_row(seq, end + 1)
             self._cache.write(row, cache.read(0))
             if not seq.tokens:
@@ -305,7 +315,7 @@ class TorchEngine(EngineBookkeeping, Engine):
     def _retain(self, seq: _Sequence) -> None:
         """Keep a finishing sequence's row as its session's context (a copy: the row is reused)."""
         row = self._rows.index(seq)
-        context = tuple(seq.request.prompt_ids) + tuple(seq.tokens[:-1])
+        context = tuple(seq.context())
         if self._cache.lengths[row] != len(context):
             raise EngineError(f"engine {self.name}: request {seq.request.request_id} holds {self._cache.lengths[row]} "
                               f"cached tokens for a context of {len(context)}")
@@ -386,10 +396,11 @@ class TorchEngine(EngineBookkeeping, Engine):
         if seq.prefilled:
             kv = self._cache.read(self._rows.index(seq))
             self._remove_row(seq)
-        elif seq is self._staging:   # a partial prefill travels: the destination fills only the rest
-            if self._staging_cache.lengths[0] > 0:
-                kv = self._staging_cache.read(0)
-            self._staging = self._staging_cache = None
+        elif self._staged is not None and seq is self._staged.seq:
+            # a partial prefill travels: the destination fills only the rest
+            if self._staged.cache.lengths[0] > 0:
+                kv = self._staged.cache.read(0)
+            self._staged = None
         else:
             self._queue.remove(seq)
         self._c["migrations_out"] += 1

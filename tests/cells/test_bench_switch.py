@@ -79,7 +79,7 @@ def test_bench_switch_runs_as_one_srun_pmix_world_across_virtual_nodes(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["launcher"] == "slurm" and out["world_size"] == 4
-    assert out["command"].startswith("srun --mpi=pmix")
+    assert out["command"].startswith("srun -v --mpi=pmix")
     nodelists = [part.split("--nodelist ")[1].split()[0] for part in out["command"].split(" : ")]
     assert len(set(nodelists)) >= 3          # controller and cells spread over >= 3 virtual nodes
     assert out["flips"]["rollout_to_train"] >= 1 and out["flips"]["train_to_rollout"] >= 1

@@ -35,7 +35,7 @@ class HoldingEngine(TorchEngine):
     holding = True
 
     def step(self):
-        if (self.holding and self._running and not self._queue and self._staging is None
+        if (self.holding and self._running and not self._queue and self._staged is None
                 and all(len(s.tokens) >= HOLD_AT for s in self._running)):
             time.sleep(0.001)
             return []
