@@ -267,8 +267,8 @@ def tasks_exit_code(exits: list[tuple[int, int]], ntasks: int) -> int | None:
 
 class SlurmHandle(FleetHandle):
     """A running srun, and a watchdog over a bug of srun 22.05's pmix plugin: after a het step's
-    tasks have all ended, srun can hang joining its abort agent (seen here in about one het step
-    in five) or die in a double free. Either way srun has already printed (``-v``) an exit
+    tasks have all ended, srun can hang joining its abort agent (here in 15 of 115 short het
+    steps) or die in a double free. Either way srun has already printed (``-v``) an exit
     notification for every task, so the step's code is read from those (``tasks_exit_code``).
     srun is killed once its step has left ``scontrol show step`` for ``teardown_grace_s`` with
     every task's exit in hand, or for ``orphan_grace_s`` without; ``orphaned`` then says so, and

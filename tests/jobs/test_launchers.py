@@ -238,7 +238,7 @@ def test_an_srun_that_crashes_after_every_task_exit_reports_the_tasks_code(tmp_p
 @pytest.mark.slurm
 @pytest.mark.slow   # a dozen short het steps
 def test_het_steps_report_their_tasks_code_through_srun_hangs(tmp_path):
-    """srun 22.05's pmix plugin hangs after about one het step in five here; every launch must
+    """srun 22.05's pmix plugin hangs after about one short het step in eight here; every launch must
     still report what its ranks exited with."""
     cfg = build_config({"cells": {"count": 2}, "launcher": "slurm"})
     plan = fleet_plan.plan_for_nodes(cfg, _slurm_nodes(3))
