@@ -285,14 +285,18 @@ class SlurmHandle(FleetHandle):
         self.teardown_grace_s = teardown_grace_s
         self._gone_since: float | None = None
         self._last_check = 0.0
-        self.orphaned = False
         self._ntasks = ntasks
         self._log_pos = log_offset          # the log is appended to across launches: ours starts here
         self._exits: list[tuple[int, int]] = []
-        self._killing = False
+        self._killing = False                  # srun's signal death is then ours, not the bug
         self._orphan_code: int | None = None   # what a killed orphan reports, every poll after
 
-    def tasks_code(self) -> int | None:
+    @property
+    def orphaned(self) -> bool:
+        """The watchdog killed srun after its step had gone."""
+        return self._orphan_code is not None
+
+    def _tasks_code(self) -> int | None:
         """The step's exit code from srun's task exit notifications so far (None: not all in, or
         no log or task count to read them against)."""
         if self._ntasks is None or self.log_path is None:
@@ -312,7 +316,7 @@ class SlurmHandle(FleetHandle):
         if rc is None:
             return None
         if rc < 0 and not self._killing:
-            code = self.tasks_code()
+            code = self._tasks_code()
             if code is not None:
                 return code
         return exit_status(rc)
@@ -340,18 +344,18 @@ class SlurmHandle(FleetHandle):
         self._last_check = now
         if self._step_id is None:
             self.step_id  # learn it while the step runs, so a hang after it can be recognised
-            # A step shorter than a check interval is never seen; all its tasks' exits still are.
-            if self._step_id is not None or self.tasks_code() is None:
+            if self._step_id is not None:
                 return None
         elif find_step(self._host, self.proc.pid, self._prefer_job) is not None:
             self._gone_since = None
             return None
+        code = self._tasks_code()
+        if self._step_id is None and code is None:
+            return None   # not started yet; a step shorter than a check is known by its tasks' exits
         self._gone_since = self._gone_since or now
-        code = self.tasks_code()
         grace = self.orphan_grace_s if code is None else self.teardown_grace_s
         if now - self._gone_since < grace or self.proc.poll() is not None:
             return self._srun_code()
-        self.orphaned = True
         self._killing = True
         self._kill_srun()
         self.proc.wait()
@@ -383,8 +387,8 @@ class SlurmHandle(FleetHandle):
         raise LaunchError(f"no Slurm step for srun pid {self.proc.pid} after {timeout_s:.0f} s; see {self.log_path}")
 
     def kill(self, grace_s: float = 5.0) -> int:
-        self._killing = True
         if self.proc.poll() is None:
+            self._killing = True
             step = self.step_id
             if step is not None:
                 subprocess.run(["scancel", step], capture_output=True, timeout=10)
