@@ -27,11 +27,19 @@ Chunked prefill: each chunk attends causally to itself and fully to the cached p
 mask at all: two attention passes (past, no mask; chunk, ``is_causal``) merged by their
 log-sum-exp. The CPU flash kernel hands out that log-sum-exp; elsewhere the chunk attends to
 a view of past + chunk under a lower-right causal bias (untested here: no GPU in CI).
+
+Invariant hooks (``invariant=True``, TorchEngine's default): both passes become one call of
+``models.invariant.attention`` over the row's keys 0..position, the same function the trainer's
+tree attention calls, so a token's output does not depend on the batch, the chunking or
+whether its keys were prefilled here, retained or migrated. Capacity is kept a multiple of
+its key block, so the keys are read as a view of the buffer (no padding copy).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from gyre_hpc.models import invariant as inv
 
 
 class SlotKVCache:
@@ -64,6 +72,9 @@ class SlotKVCache:
 
     def _resize(self, rows: int, capacity: int) -> None:
         n, old_cap = self.n_rows, self.capacity
+        # A multiple of the invariant kernels' key block (when the bound allows): their keys are
+        # then a view of the buffer, never a padded copy.
+        capacity = max(capacity, min(self.max_tokens, -(-capacity // inv.KEY_BLOCK) * inv.KEY_BLOCK))
         shape = (rows, self.n_kv_heads, capacity, self.head_dim)
         fresh = [[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
                  for _ in range(2)]
@@ -132,20 +143,26 @@ class SlotKVCache:
         self.lengths[row] = n
 
     # -- model hooks (contract: attend(layer, q, k, v)) -------------------------------------
-    def prefill(self, row: int, n_new: int) -> "PrefillAttention":
+    def prefill(self, row: int, n_new: int, invariant: bool = False) -> "PrefillAttention":
         """The hook for one forward of ``n_new`` tokens of ``row``, after its cached past."""
         self.reserve(self.lengths[row] + n_new + 1)  # + 1: room for the next decode write
-        return PrefillAttention(self, row, self.lengths[row], n_new)
+        return PrefillAttention(self, row, self.lengths[row], n_new, invariant)
 
-    def decode(self) -> "DecodeAttention":
+    def decode(self, invariant: bool = False) -> "DecodeAttention":
         """The hook for one forward of one new token of every row, in row order."""
         self.reserve(max(self.lengths) + 1)
-        return DecodeAttention(self)
+        return DecodeAttention(self, invariant)
+
+    def key_span(self, tokens: int) -> int:
+        """Keys to read for ``tokens`` valid ones: rounded up to the invariant key block
+        where the buffer holds that many (the rest is masked)."""
+        return min(self.capacity, -(-tokens // inv.KEY_BLOCK) * inv.KEY_BLOCK)
 
 
 class PrefillAttention:
-    def __init__(self, cache: SlotKVCache, row: int, start: int, n_new: int):
+    def __init__(self, cache: SlotKVCache, row: int, start: int, n_new: int, invariant: bool = False):
         self.cache, self.row, self.start, self.n_new = cache, row, start, n_new
+        self.invariant = invariant
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c, row, start = self.cache, self.row, self.start
@@ -153,6 +170,10 @@ class PrefillAttention:
         kb, vb = c.k[layer], c.v[layer]
         kb[row, :, start:start + T] = k[0]
         vb[row, :, start:start + T] = v[0]
+        if self.invariant:
+            span = c.key_span(start + T)
+            pos = inv.causal_positions(1, start, T, q.device)
+            return inv.attention(q, kb[row:row + 1, :, :span], vb[row:row + 1, :, :span], pos)
         groups = q.shape[1] // k.shape[1]
         if start == 0:
             return F.scaled_dot_product_attention(q, _expand(k, groups), _expand(v, groups), is_causal=True)
@@ -169,8 +190,8 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    def __init__(self, cache: SlotKVCache):
-        self.cache = cache
+    def __init__(self, cache: SlotKVCache, invariant: bool = False):
+        self.cache, self.invariant = cache, invariant
         n = cache.n_rows
         self.pos = torch.tensor(cache.lengths, device=cache.device)
         self.rows = torch.arange(n, device=cache.device)
@@ -192,6 +213,9 @@ class DecodeAttention:
         else:
             kb[self.rows, :, self.pos] = k[:, :, 0]
             vb[self.rows, :, self.pos] = v[:, :, 0]
+        if self.invariant:
+            span = self.cache.key_span(self.span)
+            return inv.attention(q, kb[:B, :, :span], vb[:B, :, :span], self.pos[:, None])
         hkv = k.shape[1]
         # The G query heads of a kv group become G query rows against that group's keys.
         out = F.scaled_dot_product_attention(q.reshape(B, hkv, Hq // hkv, Dh), kb[:B, :, :self.span],

@@ -13,9 +13,13 @@ attends causally to itself and fully to the cached past without any mask (see
 ``max_prefill_tokens`` bounds the prompt tokens prefilled per step (vLLM's token budget):
 a longer prompt fills across steps in a one-row staging cache while the batch decodes.
 
-Exactness: each request samples from its own generator (see ``sampling``); batch
-composition changes only float rounding of the logits (different matmul shapes), so greedy
-tokens match one-at-a-time decoding and logprobs agree to ~1e-6. Export copies a row out
+Exactness: each request samples from its own generator (see ``sampling``). With
+``invariant=True`` (the default) every kernel has a fixed reduction order
+(``models.invariant``), so a token's logprob is bit for bit the same alone or in any batch,
+after a retained or migrated cache or a fresh prefill, in any prefill chunking, and equal to
+the trainer's. With ``invariant=False`` (``model.numerics: native``) batch composition changes
+float rounding of the logits (different matmul shapes): greedy tokens still match
+one-at-a-time decoding and logprobs agree to ~1e-6. Export copies a row out
 (the row is reused once the sequence leaves); import copies it into a row of the
 destination, so a migrated sequence continues from bit-identical keys and values.
 
@@ -83,7 +87,7 @@ class _Staged:
 class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
                  prefill_chunk: int = 4096, max_prefill_tokens: int | None = None, seed: int = 0,
-                 max_retained_tokens: int = 1 << 18):
+                 max_retained_tokens: int = 1 << 18, invariant: bool = True):
         if max_batch < 1:
             raise ValueError(f"TorchEngine.max_batch={max_batch} must be >= 1")
         if prefill_chunk < 1:
@@ -94,6 +98,10 @@ class TorchEngine(EngineBookkeeping, Engine):
             raise ValueError(f"TorchEngine.max_retained_tokens={max_retained_tokens} must be >= 0 (0: retain nothing)")
         self.name = name
         self.model = model.eval()
+        # Batch- and cache-invariant kernels (models.invariant): a token's logprob is the same
+        # alone, in any batch, after a retained or migrated cache, in any prefill chunking, and
+        # equal to the trainer's under model.numerics=invariant.
+        self.invariant = invariant
         self.max_retained_tokens = max_retained_tokens
         # session -> (context tokens, per-layer token-major (k, v)); least recently used first.
         self._retained: OrderedDict[str, tuple[tuple[int, ...], tuple]] = OrderedDict()
@@ -229,8 +237,8 @@ class TorchEngine(EngineBookkeeping, Engine):
         for at in range(start, end, self.prefill_chunk):
             ids = ids_all[at - start:at - start + self.prefill_chunk][None]
             pos = torch.arange(at, at + ids.shape[1], device=self._device)[None]
-            hook = cache.prefill(row, ids.shape[1])
-            logits = self.model(ids, pos, kv_cache=hook)
+            hook = cache.prefill(row, ids.shape[1], self.invariant)
+            logits = self.model(ids, pos, kv_cache=hook, invariant=self.invariant)
             hook.commit()
         self._c["prefill_tokens"] += end - start
         return logits
@@ -254,8 +262,8 @@ class TorchEngine(EngineBookkeeping, Engine):
     def _decode(self) -> list[TokenEvent]:
         batch = list(self._rows)
         ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long, device=self._device)
-        hook = self._cache.decode()
-        logits = self.model(ids, hook.pos[:, None], kv_cache=hook)   # each row's position is its length
+        hook = self._cache.decode(self.invariant)
+        logits = self.model(ids, hook.pos[:, None], kv_cache=hook, invariant=self.invariant)   # each row's position is its length
         hook.commit()
         self._c["decode_tokens"] += len(batch)
         last = logits[:, -1]

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyre_hpc.models import invariant as inv
 from gyre_hpc.models.tokenizer import EMBEDDED_VOCAB_SIZE
 
 # (q, k, v) [B, H, T, Dh] / [B, H, S, Dh] -> out [B, H, T, Dh]
@@ -170,11 +171,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, attn_mask, past, attention_fn, kv_cache):
+    def forward(self, x, cos, sin, attn_mask, past, attention_fn, kv_cache, invariant=False):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = project(self.q_proj, x, invariant).view(B, T, self.n_heads, self.head_dim)
+        k = project(self.k_proj, x, invariant).view(B, T, self.n_kv, self.head_dim)
+        v = project(self.v_proj, x, invariant).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
@@ -188,6 +189,14 @@ class Attention(nn.Module):
                 v = torch.cat([past[1], v], dim=2)
             new_kv = (k, v)
             rep = self.n_heads // self.n_kv
+            if invariant and attention_fn is None:
+                if attn_mask is not None:
+                    raise ValueError("CausalLM.forward: invariant numerics take no attn_mask (pass an "
+                                     "attention_fn built for them, or none for causal attention)")
+                # New tokens see the past and each other causally: query i sits at S_past + i.
+                out = inv.attention(q, k, v, inv.causal_positions(B, k.shape[2] - T, T, x.device))
+                out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+                return project(self.o_proj, out, invariant), new_kv
             k, v = expand_kv(k, rep), expand_kv(v, rep)
             if attention_fn is not None:
                 out = attention_fn(q, k, v)
@@ -203,7 +212,12 @@ class Attention(nn.Module):
                 mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_at
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.o_proj(out), new_kv
+        return project(self.o_proj, out, invariant), new_kv
+
+
+def project(layer: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """A linear layer, through the invariant product when asked."""
+    return inv.linear(x, layer.weight, layer.bias) if invariant else layer(x)
 
 
 class MLP(nn.Module):
@@ -213,7 +227,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x, invariant=False):
+        if invariant:
+            return project(self.down_proj, inv.silu(project(self.gate_proj, x, True)) * project(self.up_proj, x, True),
+                           True)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -225,10 +242,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn_mask, past, attention_fn, kv_cache):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past, attention_fn, kv_cache)
+    def forward(self, x, cos, sin, attn_mask, past, attention_fn, kv_cache, invariant=False):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past, attention_fn, kv_cache, invariant)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), invariant)
         return x, kv
 
 
@@ -262,8 +279,13 @@ class CausalLM(nn.Module):
         use_cache: bool = False,
         attention_fn: AttentionFn | None = None,
         kv_cache: KVCacheHook | None = None,
+        invariant: bool = False,
     ):
         """Logits [B, T, V]; with ``use_cache`` also the per-layer (k, v) [B, Hkv, S_past+T, Dh].
+
+        ``invariant``: every product and the causal attention through ``models.invariant``, so a
+        token's logits do not depend on the batch, the chunking or the cache (an attention_fn or
+        kv_cache passed with it must be invariant too: the tree's and the engine's are).
 
         ``attn_mask``: None means causal among the T new tokens and full over ``past_kv``;
         otherwise a bool tensor broadcastable to [B, Hq, T, S_past+T], True = may attend.
@@ -287,11 +309,11 @@ class CausalLM(nn.Module):
         new_past: PastKV = []
         for i, layer in enumerate(self.model.layers):
             past = past_kv[i] if past_kv is not None else None
-            x, kv = layer(x, cos, sin, attn_mask, past, attention_fn, kv_cache)
+            x, kv = layer(x, cos, sin, attn_mask, past, attention_fn, kv_cache, invariant)
             new_past.append(kv)
         x = self.model.norm(x)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = x @ weight.T
+        logits = inv.linear(x, weight) if invariant else x @ weight.T
         return (logits, new_past) if use_cache else logits
 
     @property
