@@ -91,6 +91,10 @@ class ModelConfig(_Section):
     path: str | None = Field(None, description="HF-format checkpoint directory to start from")
     substrate_state_mb: float = Field(
         0.0, ge=0, description="substrate smoke: extra state dict ballast (MB) moved on each flip")
+    numerics: Literal["invariant", "native"] = Field(
+        "invariant", description="invariant: TorchEngine and the trainer use batch- and cache-invariant kernels "
+                                 "(models.invariant), so behaviour and trainer logprobs agree bit for bit; "
+                                 "native: the fastest library kernels (they agree to ~1e-6); docs/rl.md")
 
 
 class TrainConfig(_Section):

@@ -26,6 +26,7 @@ class Progress:
     step: int = 0
     reward: list[float] = field(default_factory=list)
     loss: float = float("nan")
+    logprob_gap_max: float = float("nan")   # the last step's trainer-vs-behaviour gap
     flips: int = 0
     runs: int = 0
     migrations: int = 0
@@ -42,6 +43,7 @@ def read_progress(path: Path, cfg: RunConfig) -> Progress:
         p.step = int(steps["step"][-1])
         p.reward = [float(x) for x in steps["reward_mean"]]
         p.loss = float(steps["loss"][-1])
+        p.logprob_gap_max = float(steps["logprob_gap_max"][-1])
     tl = read_table(path, "timeline")
     for cell, role, event in zip(tl["cell"], tl["role"], tl["event"]):
         if event == "flip_end":
@@ -64,6 +66,7 @@ def render(p: Progress, elapsed: float):
     last = f"{p.reward[-1]:.3f}" if p.reward else "-"
     table.add_row("reward mean (first -> last step)", f"{first} -> {last}")
     table.add_row("loss (last step)", f"{p.loss:.4g}")
+    table.add_row("logprob gap trainer-vs-engine (last step, max)", f"{p.logprob_gap_max:.3g}")
     table.add_row("cell roles", "  ".join(f"{c}:{r}" for c, r in sorted(p.roles.items())))
     table.add_row("flips / runs / KV migrations / restarts", f"{p.flips} / {p.runs} / {p.migrations} / {p.restarts}")
     return table

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -61,7 +62,7 @@ from gyre_hpc.rundir.metrics import EngineRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
 from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 from gyre_hpc.trees.builder import build_tree
-from gyre_hpc.trees.loss import run_targets, step_denominator
+from gyre_hpc.trees.loss import LogprobGap, run_targets, step_denominator
 from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.store import TreeStore
 
@@ -155,6 +156,7 @@ class StepState:
     outstanding: dict[int, list[MicroBatchRef]] = field(default_factory=dict)   # rank -> sent, unreported
     done_by: dict[int, list[MicroBatchRef]] = field(default_factory=dict)       # rank -> trained this step
     losses: dict[int, float] = field(default_factory=dict)                   # mb id -> loss
+    gaps: dict[int, LogprobGap] = field(default_factory=dict)                # mb id -> its logprob gap
     trained_tokens: int = 0
     next_mb: int = 0
     groups_done: set[int] = field(default_factory=set)
@@ -198,6 +200,7 @@ class RLStepRecord:
     weight_sync_bytes: int = 0    # bytes each engine received
     checksums: dict[int, str] | None = None
     recomputed_prefill_tokens: int = 0   # prefill the engines did again during the step (0 with KV migration)
+    gap: LogprobGap = field(default_factory=LogprobGap)   # trainer vs behaviour logprobs, before the update
 
 
 # A flip to TRAIN moves the trainer's state: the weights and AdamW's two moments, 3x the bytes
@@ -368,6 +371,7 @@ class RLStepDriver:
                 held.remove(mb)
                 st.done_by.setdefault(rep.rank, []).append(mb)
                 st.losses[mb.mb_id] = rep.loss
+                st.gaps[mb.mb_id] = rep.gap
                 self.speeds.record(rep.rank, rep.tokens, rep.seconds)
                 self._trained_in_window[rep.rank] = self._trained_in_window.get(rep.rank, 0) + rep.tokens
             if not block:
@@ -660,6 +664,7 @@ class RLStepDriver:
         recomputed, self._recomputed_mark = recomputed - self._recomputed_mark, recomputed
         rewards = [o.tree.reward for o in outs]
         loss = sum(st.losses.values()) / n_runs if n_runs else float("nan")
+        gap = functools.reduce(LogprobGap.merge, st.gaps.values(), LogprobGap())
         rec = RLStepRecord(step=st.step, wall_s=time.perf_counter() - t0, loss=loss, reward_mean=float(np.mean(rewards)),
                            tokens=sum(mb.loss_tokens for v in st.done_by.values() for mb in v),
                            policy_version=self.policy_version,
@@ -667,7 +672,7 @@ class RLStepDriver:
                            migrations=sum(o.migrations for o in outs), restarts=sum(o.restarts for o in outs),
                            flips=len(st.flips), optimizer_s=optimizer_s, weight_sync_s=sync_s,
                            weight_sync_bytes=sync_bytes,
-                           checksums=checksums, recomputed_prefill_tokens=recomputed)
+                           checksums=checksums, recomputed_prefill_tokens=recomputed, gap=gap)
         now = time.time()
         self._step_rows = [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
                                   status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
@@ -677,7 +682,10 @@ class RLStepDriver:
                            for o in outs]
         self._step_rows.append(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens,
                                        replicas=len(ranks), loss=rec.loss, reward_mean=rec.reward_mean,
-                                       policy_version=self.policy_version, recomputed_prefill_tokens=recomputed))
+                                       policy_version=self.policy_version, recomputed_prefill_tokens=recomputed,
+                                       logprob_gap_max=gap.max_abs if gap.targets else float("nan"),
+                                       logprob_gap_mean=gap.mean_abs, pre_update_clip_share=gap.clip_share,
+                                       behaviour_kl=gap.kl))
         return rec
 
     def push_weights(self, step: int, version: int) -> int:
@@ -714,7 +722,7 @@ class RLStepDriver:
         if rec is not None:
             print(f"[rl] step {step}/{self.cfg.train.steps} reward {rec.reward_mean:.3f} loss {rec.loss:.4f} "
                   f"train cells {list(rec.train_cells)} flips {rec.flips} migrations {rec.migrations} "
-                  f"{rec.wall_s:.2f}s", flush=True)
+                  f"logprob gap max {rec.gap.max_abs:.3g} {rec.wall_s:.2f}s", flush=True)
         return rec
 
     def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:

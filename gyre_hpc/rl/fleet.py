@@ -60,7 +60,8 @@ def rollout_engine(cfg: RunConfig, trainer: RLTrainer, run_root: Path, cell_id: 
     own and then receives every new version through ``load_weights``."""
     seed = cfg.seed * 1009 + cell_id
     if cfg.rollout.engine == "torch":
-        return TorchEngine(trainer.model, name=f"cell{cell_id}", version=version, max_batch=max_batch, seed=seed)
+        return TorchEngine(trainer.model, name=f"cell{cell_id}", version=version, max_batch=max_batch, seed=seed,
+                           invariant=cfg.model.numerics == "invariant")
     from gyre_hpc.engines.vllm_engine import VLLMEngine
     from gyre_hpc.models.checkpoint import save_pretrained
 

@@ -7,9 +7,10 @@ chunked broadcasts of ``cells.weights``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre_hpc.rl.batches import MicroBatchRef
+from gyre_hpc.trees.loss import LogprobGap
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class TrainReport:
     loss: float
     tokens: int
     seconds: float
+    gap: LogprobGap = field(default_factory=LogprobGap)   # trainer vs behaviour logprobs of its targets
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ class RLRankHandler:
             raise RuntimeError(f"rank {cell_rank.rank} got micro-batch {mb.mb_id} of step {mb.step} while ROLLOUT")
         t0 = time.perf_counter()
         res = self.trainer.train_micro_batch(self.micro_batches.get(mb))
-        return messages.TrainReport(cell_rank.rank, mb.step, mb.mb_id, res.loss, mb.tokens, time.perf_counter() - t0)
+        return messages.TrainReport(cell_rank.rank, mb.step, mb.mb_id, res.loss, mb.tokens, time.perf_counter() - t0,
+                                    res.gap)
 
     def finish(self, cell_rank: CellRank, cmd: messages.Finish) -> messages.FinishReport:
         t0 = time.perf_counter()

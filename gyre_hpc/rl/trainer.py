@@ -25,13 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gyre_hpc.cells.workload import MicroResult
 from gyre_hpc.config import RunConfig
 from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
 from gyre_hpc.models.decoder import CausalLM, build_model
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer, load_tokenizer
 from gyre_hpc.trees.chunked import backward_packed
-from gyre_hpc.trees.loss import StepWeights
+from gyre_hpc.trees.loss import LogprobGap, StepWeights
 from gyre_hpc.trees.packing import PackedRow, collate
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -60,6 +59,16 @@ class MicroBatch:
         # n_runs=1 (total_tokens=1): the 1/(runs in step) (1/(targets in step)) factor is
         # applied once, after the allreduce.
         return StepWeights(self.advantages, self.run_tokens, 1, self.averaging, total_tokens=1)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One micro-batch trained: its loss share, its trained tokens, and its logprob gap
+    (computed with the weights the step's update starts from: no update happens within a step)."""
+
+    loss: float
+    tokens: int
+    gap: LogprobGap
 
 
 def initial_model(cfg: RunConfig) -> CausalLM:
@@ -106,12 +115,19 @@ class RLTrainer:
         return self.model.state_dict()
 
     # ---- training -----------------------------------------------------------------------
-    def train_micro_batch(self, mb: MicroBatch) -> MicroResult:
+    @property
+    def attention(self) -> str:
+        """The tree attention: the invariant kernel under ``model.numerics: invariant`` (the
+        engine's numbers, bit for bit), else ``train.attention``."""
+        return "invariant" if self.cfg.model.numerics == "invariant" else self.cfg.train.attention
+
+    def train_micro_batch(self, mb: MicroBatch) -> TrainResult:
         batch = collate(list(mb.rows))
+        gap = LogprobGap()
         # A row longer than train.row_tokens (a tree deeper than a row) trains in chunks of it.
-        loss = backward_packed(self.model, batch, mb.weights(), self.cfg.train.clip_eps, self.cfg.train.attention,
-                               chunk_tokens=self.cfg.train.row_tokens)
-        return MicroResult(loss=loss, tokens=mb.loss_tokens)
+        loss = backward_packed(self.model, batch, mb.weights(), self.cfg.train.clip_eps, self.attention,
+                               chunk_tokens=self.cfg.train.row_tokens, gap=gap)
+        return TrainResult(loss=loss, tokens=mb.loss_tokens, gap=gap)
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params]

@@ -6,6 +6,7 @@ A directory that is not a run, or a file that cannot be read, is reported by nam
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -57,6 +58,15 @@ class RunSummary:
     # What the flips did to the rollouts (``flip_effects``): migrations, restarts,
     # recomputed prefill, flapping. None for a run without a timeline.
     flip_effects: dict | None = None
+
+
+# The train-inference gap of each step (metrics.TABLES["steps"]): None where not measured.
+GAP_COLUMNS = ("logprob_gap_max", "logprob_gap_mean", "pre_update_clip_share", "behaviour_kl")
+
+
+def _finite_or_none(value) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
 _SUPERVISOR_END = {"finish": "finished", "fail": "failed", "requeue": "requeued", "stop": "stopped"}
@@ -114,7 +124,8 @@ def summarize(path: str | Path) -> RunSummary:
     if "steps" in tables:
         t = tables["steps"]
         steps = [{"step": int(t["step"][i]), "reward_mean": float(t["reward_mean"][i]), "loss": float(t["loss"][i]),
-                  "tokens": int(t["tokens"][i]), "replicas": int(t["replicas"][i]), "wall_s": float(t["wall_s"][i])}
+                  "tokens": int(t["tokens"][i]), "replicas": int(t["replicas"][i]), "wall_s": float(t["wall_s"][i]),
+                  **{name: _finite_or_none(t[name][i]) for name in GAP_COLUMNS}}
                  for i in range(len(t["step"]))]
     runs = None
     if "runs" in tables and len(tables["runs"]["run_id"]):
@@ -249,11 +260,15 @@ def render(summary: RunSummary) -> None:
 
     if summary.steps:
         steps = Table(title="steps")
-        for col in ("step", "reward mean", "loss", "trained tokens", "replicas", "wall s"):
+        for col in ("step", "reward mean", "loss", "trained tokens", "replicas", "wall s", "logprob gap max",
+                    "gap mean", "clipped pre-update", "KL(b||t)"):
             steps.add_column(col, justify="right")
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         for row in summary.steps:
             steps.add_row(str(row["step"]), f"{row['reward_mean']:.3f}", f"{row['loss']:.4g}", str(row["tokens"]),
-                          str(row["replicas"]), f"{row['wall_s']:.1f}")
+                          str(row["replicas"]), f"{row['wall_s']:.1f}", fmt(row.get("logprob_gap_max"), ".3g"),
+                          fmt(row.get("logprob_gap_mean"), ".3g"), fmt(row.get("pre_update_clip_share"), ".2%"),
+                          fmt(row.get("behaviour_kl"), ".3g"))
         console.print(steps)
     if summary.trees is not None:
         t = summary.trees

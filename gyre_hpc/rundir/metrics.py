@@ -35,9 +35,14 @@ TABLES: dict[str, list[tuple[str, Any]]] = {
     ],
     # recomputed_prefill_tokens: prompt/KV tokens the engines prefilled again during the step
     # (a moved sequence whose cache did not travel); 0 with KV migration.
+    # logprob_gap_*: |trainer - behaviour| logprob over the step's trained targets before its
+    # update (trees.loss.LogprobGap); pre_update_clip_share: targets whose ratio was clipped
+    # before any policy change; behaviour_kl: k3 estimate of KL(behaviour || trainer). All 0.0
+    # with model.numerics invariant and TorchEngine; NaN where the step trained nothing.
     "steps": [
         ("step", "i4"), ("time", "f8"), ("wall_s", "f8"), ("tokens", "i8"), ("replicas", "i4"),
         ("loss", "f8"), ("reward_mean", "f8"), ("policy_version", "i4"), ("recomputed_prefill_tokens", "i8"),
+        ("logprob_gap_max", "f8"), ("logprob_gap_mean", "f8"), ("pre_update_clip_share", "f8"), ("behaviour_kl", "f8"),
     ],
     "engines": [
         ("time", "f8"), ("cell", "i4"), ("tokens_per_s", "f8"), ("queued", "i4"),
@@ -83,6 +88,10 @@ class StepRow:
     reward_mean: float = float("nan")
     policy_version: int = 0
     recomputed_prefill_tokens: int = 0
+    logprob_gap_max: float = float("nan")
+    logprob_gap_mean: float = float("nan")
+    pre_update_clip_share: float = float("nan")
+    behaviour_kl: float = float("nan")
 
 
 @dataclass

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from gyre_hpc.rundir.metrics import EngineRow, StepRow, read_table
 
-STEP_TAGS = ("loss", "reward_mean", "tokens", "wall_s", "replicas", "policy_version")
+STEP_TAGS = ("loss", "reward_mean", "tokens", "wall_s", "replicas", "policy_version", "logprob_gap_max",
+             "logprob_gap_mean", "pre_update_clip_share", "behaviour_kl")
 ENGINE_TAGS = ("tokens_per_s", "queued", "inflight", "tokens_inflight")
 
 

@@ -14,6 +14,10 @@ kernels implement it behind one switch (``train.attention``):
   checkpointing per block), so neither the masks nor the block x K probabilities are
   kept: memory linear in the row length. The CPU path.
 * ``auto``: flex on CUDA, sdpa elsewhere.
+* ``invariant``: ``models.invariant.attention`` per path segment, over the path's keys in
+  position order: bit for bit the attention TorchEngine's invariant mode computed when it
+  sampled each token (``model.numerics: invariant`` selects it, with the model's invariant
+  products). Slower than sdpa (one call per segment of a path, keys gathered per segment).
 
 Both are ``attention_fn(q, k, v)`` objects for :class:`gyre_hpc.models.tiny_lm.TinyLM`,
 built once per batch and shared by every layer.
@@ -23,12 +27,15 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-Backend = Literal["auto", "sdpa", "flex"]
-BACKENDS = ("auto", "sdpa", "flex")
+from gyre_hpc.models import invariant as inv
+
+Backend = Literal["auto", "sdpa", "flex", "invariant"]
+BACKENDS = ("auto", "sdpa", "flex", "invariant")
 
 
 def resolve_backend(backend: str, device: torch.device | str, needs_grad: bool = True) -> str:
@@ -277,10 +284,79 @@ class FlexTreeAttention:
         return self._flex(q, k, v, block_mask=self.block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def path_segments(positions: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """(start, end, keys) of each run of consecutive tokens on one path in a depth-first row.
+
+    ``positions``: each token's depth along its own path. In depth-first order a token's
+    ancestor at depth d is the last token at depth d before it, and a token one deeper than
+    the token before it is that token's child; so a run of such tokens shares its ancestors,
+    and ``keys`` lists the run's path by position (row indices of depths 0..the run's last).
+    """
+    path = np.zeros(int(positions.max(initial=0)) + 1, dtype=np.int64)
+    out: list[tuple[int, int, np.ndarray]] = []
+    start, path_len = 0, 0
+    for i in range(1, len(positions) + 1):
+        if i < len(positions) and positions[i] == positions[i - 1] + 1:
+            continue
+        depth = int(positions[start])
+        if depth > path_len:
+            raise ValueError(f"row token {start} is at depth {depth} with no token at depth {depth - 1} "
+                             "on the path before it: not a depth-first row of paths")
+        path[depth:depth + i - start] = np.arange(start, i)
+        path_len = depth + i - start
+        out.append((start, i, path[:depth + i - start].copy()))
+        start = i
+    return out
+
+
+class InvariantTreeAttention:
+    """Tree attention through ``models.invariant.attention``: the engine's numbers, bit for bit.
+
+    The engine computed each sampled token's logits with its keys at positions 0..its own,
+    reduced in key blocks aligned to position 0. Here each path segment (``path_segments``)
+    gathers its path's keys in position order and calls the same kernel, so a token's
+    attention is the same function of the same vectors: which tokens share its row, its
+    micro-batch or a chunk does not enter. Called with fewer queries than keys, the queries
+    are the last rows (a chunk of a long row, see ``trees.chunked``).
+    """
+
+    def __init__(self, position_ids: torch.Tensor):
+        self.position_ids = position_ids
+        self.plans = [path_segments(row) for row in position_ids.cpu().numpy()]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        Lq, S = q.shape[2], k.shape[2]
+        if Lq > S or S > self.position_ids.shape[1]:
+            raise ValueError(f"tree attention over a row of {self.position_ids.shape[1]} tokens: got {Lq} queries "
+                             f"and {S} keys (queries must be the last of the keys, no more keys than the row)")
+        offset = S - Lq
+        k, v = _expand_kv_heads(q, k, v)
+        rows = []
+        for b, plan in enumerate(self.plans):
+            parts = []
+            for s, e, keys in plan:
+                if e <= offset or s >= S:
+                    continue
+                s0, e0 = max(s, offset), min(e, S)
+                if len(keys) == 1:       # a lone root token sees only itself: its value, exactly
+                    parts.append(v[b:b + 1, :, s0:e0])
+                    continue
+                idx = torch.from_numpy(keys[:len(keys) - (e - e0)]).to(k.device)
+                pos = self.position_ids[b:b + 1, s0:e0]
+                parts.append(inv.attention(q[b:b + 1, :, s0 - offset:e0 - offset], k[b:b + 1, :, idx],
+                                           v[b:b + 1, :, idx], pos))
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows, dim=0)
+
+
 def tree_attention(backend: str, subtree_end: torch.Tensor, needs_grad: bool = True, block: int = 128,
-                   q_len: int | None = None, kv_len: int | None = None):
+                   q_len: int | None = None, kv_len: int | None = None, position_ids: torch.Tensor | None = None):
     """The attention_fn for one packed batch (or one chunk of it), by ``train.attention`` name."""
     name = resolve_backend(backend, subtree_end.device, needs_grad)
     if name == "flex":
         return FlexTreeAttention(subtree_end, q_len=q_len, kv_len=kv_len)
+    if name == "invariant":
+        if position_ids is None:
+            raise ValueError("tree_attention('invariant') needs the rows' position_ids")
+        return InvariantTreeAttention(position_ids[:, :subtree_end.shape[1]])
     return SdpaTreeAttention(subtree_end, block=block)

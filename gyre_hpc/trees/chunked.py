@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from gyre_hpc.trees.attention import tree_attention
-from gyre_hpc.trees.loss import StepWeights, packed_loss, tree_loss
+from gyre_hpc.trees.loss import LogprobGap, StepWeights, invariant_kwargs, packed_loss, tree_loss
 from gyre_hpc.trees.packing import PackedBatch
 
 
@@ -39,9 +39,9 @@ def chunk_bounds(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
 
 def _forward_chunk(model, batch: PackedBatch, s: int, e: int, past, attention: str):
     attention_fn = tree_attention(attention, batch.subtree_end[:, :e], needs_grad=torch.is_grad_enabled(),
-                                  q_len=e - s, kv_len=e)
+                                  q_len=e - s, kv_len=e, position_ids=batch.position_ids)
     return model(batch.input_ids[:, s:e], batch.position_ids[:, s:e], past_kv=past, use_cache=True,
-                 attention_fn=attention_fn)
+                 attention_fn=attention_fn, **invariant_kwargs(attention_fn))
 
 
 def _chunk_batch(batch: PackedBatch, s: int, e: int) -> PackedBatch:
@@ -56,15 +56,16 @@ def _chunk_batch(batch: PackedBatch, s: int, e: int) -> PackedBatch:
 
 
 def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWeights, clip_eps: float,
-                    attention: str = "auto", chunk_tokens: int | None = None) -> float:
+                    attention: str = "auto", chunk_tokens: int | None = None, gap: LogprobGap | None = None) -> float:
     """Accumulate this micro-batch's loss gradient into the parameters; return its loss.
 
     Rows of at most ``chunk_tokens`` tokens (or any row, with ``chunk_tokens=None``) take the
     plain path (one forward, ``loss.backward()``); longer rows go chunk by chunk (module doc).
+    ``gap`` collects the trainer-vs-behaviour logprob figures of every target.
     """
     L = batch.shape[1]
     if chunk_tokens is None or L <= chunk_tokens:
-        loss = packed_loss(model, batch, weights, clip_eps, attention)
+        loss = packed_loss(model, batch, weights, clip_eps, attention, gap)
         loss.backward()
         return float(loss.detach())
     bounds = chunk_bounds(L, chunk_tokens)
@@ -90,7 +91,7 @@ def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWei
         logits, present = _forward_chunk(model, batch, s, e, past, attention)
         outputs, upstream = [], []
         if bool(chunk.loss_mask.any()):
-            loss = tree_loss(logits, chunk, weights, clip_eps)
+            loss = tree_loss(logits, chunk, weights, clip_eps, gap)
             total += float(loss.detach())
             outputs.append(loss)
             upstream.append(torch.ones_like(loss))

@@ -145,12 +145,64 @@ def sample_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return logp[slot[batch.sample_row, batch.sample_index]]
 
 
-def tree_loss(logits: torch.Tensor, batch: PackedBatch, weights: StepWeights, clip_eps: float) -> torch.Tensor:
-    """This micro-batch's share of the step loss (sum it over micro-batches; see module doc)."""
+@dataclass
+class LogprobGap:
+    """Trainer against behaviour logprobs over a step's targets, before its update.
+
+    The train-inference mismatch: the loss divides by the engine's behaviour probability, so
+    any difference between the engine's logprob and the trainer's for the same token under
+    the same weights is a ratio != 1 that no policy change caused. ``max_abs``/``mean_abs``:
+    |trainer - behaviour|; ``clipped``: targets whose ratio already lies outside
+    [1 - eps, 1 + eps]; ``kl``: the k3 estimate of KL(behaviour || trainer), mean of
+    r - 1 - log r. All 0 when the engine and trainer agree bit for bit (``model.numerics:
+    invariant`` with TorchEngine). Summed over micro-batches and replicas with ``merge``.
+    """
+
+    targets: int = 0
+    max_abs: float = 0.0
+    sum_abs: float = 0.0
+    clipped: int = 0
+    kl_sum: float = 0.0
+
+    def add(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, clip_eps: float) -> None:
+        if logp.numel() == 0:
+            return
+        d = logp.detach().to(torch.float64) - behaviour_logp.detach().to(torch.float64)
+        ratio = torch.exp(d)
+        self.targets += int(d.numel())
+        self.max_abs = max(self.max_abs, float(d.abs().max()))
+        self.sum_abs += float(d.abs().sum())
+        self.clipped += int(((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).sum())
+        self.kl_sum += float((ratio - 1.0 - d).sum())
+
+    def merge(self, other: "LogprobGap") -> "LogprobGap":
+        return LogprobGap(self.targets + other.targets, max(self.max_abs, other.max_abs),
+                          self.sum_abs + other.sum_abs, self.clipped + other.clipped, self.kl_sum + other.kl_sum)
+
+    @property
+    def mean_abs(self) -> float:
+        return self.sum_abs / self.targets if self.targets else float("nan")
+
+    @property
+    def clip_share(self) -> float:
+        return self.clipped / self.targets if self.targets else float("nan")
+
+    @property
+    def kl(self) -> float:
+        return self.kl_sum / self.targets if self.targets else float("nan")
+
+
+def tree_loss(logits: torch.Tensor, batch: PackedBatch, weights: StepWeights, clip_eps: float,
+              gap: LogprobGap | None = None) -> torch.Tensor:
+    """This micro-batch's share of the step loss (sum it over micro-batches; see module doc);
+    ``gap`` collects the trainer-vs-behaviour logprob figures of its targets."""
     run = batch.sample_run
     as_t = lambda a: torch.as_tensor(a, dtype=logits.dtype, device=logits.device)  # noqa: E731
+    logp = sample_logprobs(logits, batch)
+    if gap is not None:
+        gap.add(logp, batch.sample_logprobs, clip_eps)
     return clipped_pg_loss(
-        sample_logprobs(logits, batch),
+        logp,
         batch.sample_logprobs.to(logits.dtype),
         as_t(weights.advantages)[run],
         as_t(weights.run_weight)[run],
@@ -159,10 +211,19 @@ def tree_loss(logits: torch.Tensor, batch: PackedBatch, weights: StepWeights, cl
 
 
 def packed_loss(model: torch.nn.Module, batch: PackedBatch, weights: StepWeights, clip_eps: float,
-                attention: str = "auto") -> torch.Tensor:
+                attention: str = "auto", gap: LogprobGap | None = None) -> torch.Tensor:
     """Forward one packed micro-batch with tree attention and return its share of the loss."""
     from gyre_hpc.trees.attention import tree_attention
 
-    attention_fn = tree_attention(attention, batch.subtree_end, needs_grad=torch.is_grad_enabled())
-    logits = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn)
-    return tree_loss(logits, batch, weights, clip_eps)
+    attention_fn = tree_attention(attention, batch.subtree_end, needs_grad=torch.is_grad_enabled(),
+                                  position_ids=batch.position_ids)
+    logits = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn,
+                   **invariant_kwargs(attention_fn))
+    return tree_loss(logits, batch, weights, clip_eps, gap)
+
+
+def invariant_kwargs(attention_fn) -> dict:
+    """The model's invariant products go with the invariant tree attention, and only with it."""
+    from gyre_hpc.trees.attention import InvariantTreeAttention
+
+    return {"invariant": True} if isinstance(attention_fn, InvariantTreeAttention) else {}

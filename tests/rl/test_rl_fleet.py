@@ -65,6 +65,9 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     assert joined and all(f["bytes"] == state_bytes for f in joined)
     for step in result["steps"]:
         assert len(step["checksums"]) == len(step["train_cells"]) and len(set(step["checksums"].values())) == 1
+    # KV moved mid-decode, yet every behaviour logprob is the trainer's, bit for bit.
+    gaps = read_table(run.metrics, "steps")["logprob_gap_max"]
+    assert len(gaps) and all(g == 0.0 for g in gaps), gaps
 
 
 def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
@@ -93,6 +96,12 @@ def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
     runs = read_table(run.metrics, "runs")
     assert set(runs["status"].tolist()) <= {"finished", "timeout"}
     assert all(0.0 <= r <= 1.0 for r in runs["reward"])
+    # model.numerics invariant (the default): the trainer's logprob of every trained token,
+    # before the step's update, is the engine's behaviour logprob bit for bit.
+    steps = read_table(run.metrics, "steps")
+    print({k: steps[k].tolist() for k in ("logprob_gap_max", "pre_update_clip_share", "behaviour_kl")})
+    assert list(steps["logprob_gap_max"]) == [0.0, 0.0] and list(steps["logprob_gap_mean"]) == [0.0, 0.0]
+    assert list(steps["pre_update_clip_share"]) == [0.0, 0.0] and list(steps["behaviour_kl"]) == [0.0, 0.0]
 
 
 def test_easy_job_completes_writes_outputs_and_reward_rises(tmp_path):

@@ -331,7 +331,8 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
     from gyre_hpc.rl.driver import STEP_ROWS_FILE, restore_step_rows
 
     rows = [RunRow(time=1.0, step=3, run_id="s3", task_id="t", status="finished", reward=0.5),
-            StepRow(step=3, time=1.0, wall_s=2.0, loss=0.25, reward_mean=0.5)]
+            StepRow(step=3, time=1.0, wall_s=2.0, loss=0.25, reward_mean=0.5, logprob_gap_max=0.0,
+                        logprob_gap_mean=0.0, pre_update_clip_share=0.0, behaviour_kl=0.0)]   # NaN != NaN
     (tmp_path / STEP_ROWS_FILE).write_text(json.dumps([[type(r).__name__, dataclasses.asdict(r)] for r in rows]))
     metrics = tmp_path / "metrics.h5"
     with MetricsWriter(metrics) as m:
