@@ -163,6 +163,7 @@ class PrefillAttention:
     def __init__(self, cache: SlotKVCache, row: int, start: int, n_new: int, invariant: bool = False):
         self.cache, self.row, self.start, self.n_new = cache, row, start, n_new
         self.invariant = invariant
+        self.mask = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c, row, start = self.cache, self.row, self.start
@@ -172,8 +173,10 @@ class PrefillAttention:
         vb[row, :, start:start + T] = v[0]
         if self.invariant:
             span = c.key_span(start + T)
-            pos = inv.causal_positions(1, start, T, q.device)
-            return inv.attention(q, kb[row:row + 1, :, :span], vb[row:row + 1, :, :span], pos)
+            if self.mask is None:   # one per forward: every layer attends from these positions
+                self.positions = inv.causal_positions(1, start, T, q.device)
+                self.mask = inv.KeyMask(self.positions, q.shape[1] // k.shape[1])
+            return inv.attention(q, kb[row:row + 1, :, :span], vb[row:row + 1, :, :span], self.positions, self.mask)
         groups = q.shape[1] // k.shape[1]
         if start == 0:
             return F.scaled_dot_product_attention(q, _expand(k, groups), _expand(v, groups), is_causal=True)
@@ -192,6 +195,7 @@ class PrefillAttention:
 class DecodeAttention:
     def __init__(self, cache: SlotKVCache, invariant: bool = False):
         self.cache, self.invariant = cache, invariant
+        self.key_mask = None
         n = cache.n_rows
         self.pos = torch.tensor(cache.lengths, device=cache.device)
         self.rows = torch.arange(n, device=cache.device)
@@ -215,7 +219,9 @@ class DecodeAttention:
             vb[self.rows, :, self.pos] = v[:, :, 0]
         if self.invariant:
             span = self.cache.key_span(self.span)
-            return inv.attention(q, kb[:B, :, :span], vb[:B, :, :span], self.pos[:, None])
+            if self.key_mask is None:   # one per forward: every layer attends from these positions
+                self.key_mask = inv.KeyMask(self.pos[:, None], Hq // k.shape[1])
+            return inv.attention(q, kb[:B, :, :span], vb[:B, :, :span], self.pos[:, None], self.key_mask)
         hkv = k.shape[1]
         # The G query heads of a kv group become G query rows against that group's keys.
         out = F.scaled_dot_product_attention(q.reshape(B, hkv, Hq // hkv, Dh), kb[:B, :, :self.span],

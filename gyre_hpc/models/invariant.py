@@ -9,17 +9,19 @@ requests in the batch change the order of the sums. These kernels fix every redu
 so that it depends only on the token's own context, never on what it was computed beside
 (the idea of vLLM's and SGLang's batch-invariant kernels, here on CPU):
 
-* **Matrix products** run with both output dimensions at least ``ROW_TILE`` and their rows
-  padded to a multiple of it. Seen on the CPUs we test (oneDNN/MKL, AVX-512, AVX2 and the
-  default ISA): a product with 1-7 rows or 1-9 columns takes a gemv-like kernel whose sums run
-  in another order, while from ~8 up every row and column of a product of the same reduction
-  length K is computed by one accumulation order, however many others are beside it. So a row's
-  result is a function of that row alone. ``tests/models/test_invariant.py`` checks this on
-  the machine it runs on.
+* **Matrix products** run with their rows padded to a multiple of ``ROW_TILE`` (4) and at least
+  ``MIN_COLUMNS`` (16) columns. Seen on this project's CPUs (MKL and oneDNN on AVX-512, and
+  with torch and MKL held to AVX2 or the default ISA): a product whose row count is 1-3, 5-7 or
+  9-11, or whose column count is under ~10, takes a kernel whose sums run in another order;
+  row counts of 4, 8 and 12 or more, with 16 or more columns, all compute each element with one
+  accumulation order for a given reduction length K, however many rows are beside it. So a
+  row's result is a function of that row alone. ``tests/models/test_invariant.py`` checks
+  exactly this on the machine it runs on, so a machine whose BLAS behaves otherwise fails
+  loudly instead of training on silently different numbers.
 * **Attention** reduces over keys in blocks of ``KEY_BLOCK`` aligned to absolute position 0:
   scores by one product over all keys, the maximum (exact in any order), ``exp`` (elementwise),
-  each block's sum over a fixed ``KEY_BLOCK`` keys, then the blocks one after another
-  (``cumsum``, a sequential scan). Keys a query cannot see contribute exact zeros at the end
+  each block's sum over a fixed ``KEY_BLOCK`` keys, then the blocks one after another (a
+  sequential ``cumsum`` for the denominators, ``in_order`` for the values). Keys a query cannot see contribute exact zeros at the end
   of that scan, so a query's output depends only on its keys 0..position, never on the padding,
   the batch, the chunk it came in or where its KV was computed.
 * **SiLU** is ``x / (1 + exp(-x))``: torch's fused ``silu`` and ``sigmoid`` give another last
@@ -30,8 +32,8 @@ so that it depends only on the token's own context, never on what it was compute
 RMSNorm (a mean over one row), rotary positions (computed per element in float64),
 embeddings and ``log_softmax`` over a row are invariant as they are.
 
-What it costs: decode pads a step's rows to 16 and each sequence's query heads to 16 rows of
-the score product; ``bench engines`` reports the tokens/s ratio against ``native``. What it
+What it costs: decode pads a step's rows to a multiple of 4 and each sequence's query heads to
+4 rows of the score and value products, which run one key block at a time; ``bench engines`` reports the tokens/s ratio against ``native``. What it
 does not cover: GPU kernels and bf16 (their gap is measured per step, not assumed away).
 """
 from __future__ import annotations
@@ -39,7 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_TILE = 16      # the fewest rows (and columns) of any product; rows padded to a multiple
+ROW_TILE = 4       # rows of every product are padded to a multiple of this
+MIN_COLUMNS = 16   # the fewest columns of any product
 KEY_BLOCK = 64     # keys summed in blocks of this many, aligned to position 0
 QUERY_ROWS = 256   # query rows per score tile (memory only; any value gives the same bits)
 
@@ -61,11 +64,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` whose every output row is a function of its input row alone.
 
     Rows are padded with zeros to a multiple of ``ROW_TILE`` (at least one tile), so the
-    product never takes the few-row kernel; the padding rows are dropped from the result.
+    product never takes an odd-row kernel; the padding rows are dropped from the result.
     """
-    if weight.shape[0] < ROW_TILE:
+    if weight.shape[0] < MIN_COLUMNS:
         raise ValueError(f"invariant.linear: {weight.shape[0]} output features; the invariant kernels need "
-                         f">= {ROW_TILE} (pad the layer)")
+                         f">= {MIN_COLUMNS} (pad the layer)")
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -80,13 +83,46 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + torch.exp(-x))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+class KeyMask:
+    """Which keys each query row sees, per query tile, built once and shared by every layer of
+    a forward (they all see the same positions): 0 / -1e30 for the maximum, 1 / 0 for the sum."""
+
+    def __init__(self, q_pos: torch.Tensor, groups: int):
+        B, T = q_pos.shape
+        self.row_pos = q_pos[:, None, :].expand(B, groups, T).reshape(B, 1, groups * T)
+        self._tiles: dict[tuple[int, int], tuple] = {}
+
+    def tile(self, r0: int, r1: int, n_blocks: int):
+        """(rows' positions padded to the tile, blocks seen, bias, visible) for rows [r0, r1)."""
+        key = (r0, n_blocks)
+        if key not in self._tiles:
+            pos = self.row_pos[:, :, r0:r1]
+            n = r1 - r0
+            tile = _round_up(n, ROW_TILE)
+            if tile != n:   # padding rows sit at position 0: they see key 0 and are dropped
+                pos = F.pad(pos, (0, tile - n))
+            nb = min(n_blocks, int(pos.max()) // KEY_BLOCK + 1)                 # blocks any row here sees
+            key_at = torch.arange(nb * KEY_BLOCK, device=pos.device)
+            seen = (key_at <= pos[..., None]).view(pos.shape[0], 1, tile, nb, KEY_BLOCK).transpose(2, 3)
+            visible = seen.to(torch.float32)
+            self._tiles[key] = (tile, nb, (visible - 1.0) * 1e30, visible)
+        return self._tiles[key]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              mask: KeyMask | None = None) -> torch.Tensor:
     """Softmax attention of each query over the keys at positions 0..its own, order-invariant.
 
     ``q`` [B, Hq, T, Dh]; ``k``, ``v`` [B, Hkv, S, Dh] with each row's keys at their absolute
     positions 0..S-1 (keys past a query's position may hold anything finite: they are masked);
     ``q_pos`` [B, T], the absolute position of each query. Query head h reads kv head
-    h // (Hq / Hkv). Returns [B, Hq, T, Dh] in q's dtype.
+    h // (Hq / Hkv). Returns [B, Hq, T, Dh] in q's dtype. ``mask``: the ``KeyMask`` of
+    ``q_pos`` when several layers attend from the same positions (built here otherwise).
+
+    Products: scores as [rows, Dh] x [Dh, keys] (a dot over Dh each), values one key block at a
+    time ([rows, KEY_BLOCK] x [KEY_BLOCK, Dh]) so their sums over keys run block by block, rows
+    padded to ``ROW_TILE``. Key blocks past every query of a tile are skipped: they would add
+    exact zeros at the end of the scan, so skipping them changes no bit.
     """
     B, Hq, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -95,40 +131,51 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if q_pos.shape != (B, T):
         raise ValueError(f"invariant.attention: q_pos has shape {tuple(q_pos.shape)}, expected {(B, T)}")
     G = Hq // Hkv
+    mask = mask if mask is not None else KeyMask(q_pos, G)
     # The G query heads of a kv group become G x T query rows against that group's keys.
     rows = q.reshape(B, Hkv, G * T, Dh)
-    row_pos = q_pos[:, None, :].expand(B, G, T).reshape(B, 1, G * T)
     s_pad = _round_up(S, KEY_BLOCK)
     if s_pad != S:
         k = F.pad(k, (0, 0, 0, s_pad - S))
         v = F.pad(v, (0, 0, 0, s_pad - S))
-    d_out = max(Dh, ROW_TILE)
-    if d_out != Dh:                       # the value product needs >= ROW_TILE columns too
+    d_out = max(Dh, MIN_COLUMNS)
+    if d_out != Dh:                       # the value product needs >= MIN_COLUMNS columns too
         v = F.pad(v, (0, d_out - Dh))
     n_blocks = s_pad // KEY_BLOCK
-    key_at = torch.arange(s_pad, device=q.device)
     v_blocks = v.reshape(B, Hkv, n_blocks, KEY_BLOCK, d_out)
     scale = 1.0 / (Dh ** 0.5)
     outs = []
     n_rows = G * T
     for r0 in range(0, n_rows, QUERY_ROWS):
         r1 = min(n_rows, r0 + QUERY_ROWS)
-        tile = _round_up(r1 - r0, ROW_TILE)
-        qt, pos = rows[:, :, r0:r1], row_pos[:, :, r0:r1]
-        if tile != r1 - r0:              # zero query rows at position 0: they see key 0 and are dropped
-            qt = F.pad(qt, (0, 0, 0, tile - (r1 - r0)))
-            pos = F.pad(pos, (0, tile - (r1 - r0)))
-        scores = (qt @ k.transpose(-1, -2)) * scale                       # [B, Hkv, tile, s_pad]
-        visible = key_at[None, None, None, :] <= pos[..., None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.amax(-1, keepdim=True).detach()                      # exact; softmax does not depend on it
-        p = torch.exp(scores - top).reshape(B, Hkv, tile, n_blocks, KEY_BLOCK)
-        denom = p.sum(-1).cumsum(-1)[..., -1:]                            # [B, Hkv, tile, 1]
-        per_block = p.transpose(2, 3) @ v_blocks                          # [B, Hkv, n_blocks, tile, d_out]
-        acc = per_block.cumsum(2)[:, :, -1]                               # blocks in order, one after another
-        outs.append((acc / denom)[:, :, :r1 - r0, :Dh])
+        n = r1 - r0
+        tile, nb, bias, visible = mask.tile(r0, r1, n_blocks)
+        qt = rows[:, :, r0:r1] if tile == n else F.pad(rows[:, :, r0:r1], (0, 0, 0, tile - n))
+        # One product over the keys the tile sees: each score is a dot over Dh, its order fixed
+        # by Dh alone (the key count is the product's column count, which does not enter).
+        scores = (qt * scale) @ k[:, :, :nb * KEY_BLOCK].transpose(-1, -2)      # [B, Hkv, tile, nb*KB]
+        scores = scores.view(B, Hkv, tile, nb, KEY_BLOCK).transpose(2, 3)       # [B, Hkv, nb, tile, KB]
+        # Masked keys: -1e30 for the maximum, then a factor 0 (not exp(-inf): torch's exp takes
+        # a slow path for -inf and underflow). The exponent is clamped to [-80, 0]: a visible
+        # term below e^-80 of the largest counts as e^-80, which no float32 sum of terms
+        # including 1 (the largest) can tell apart from 0.
+        scores = scores + bias
+        top = scores.amax(dim=(2, 4), keepdim=True).detach()                   # exact; softmax ignores it
+        p = torch.exp((scores - top).clamp_(-80.0, 0.0)).mul_(visible)          # [B, Hkv, nb, tile, KB]
+        denom = in_order(p.sum(-1))                                             # [B, Hkv, tile]
+        acc = in_order(p @ v_blocks[:, :, :nb])                                 # [B, Hkv, tile, d_out]
+        outs.append(acc[:, :, :n, :Dh] / denom[:, :, :n, None])
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.reshape(B, Hq, T, Dh).to(q.dtype)
+
+
+def in_order(blocks: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 2 (key blocks) taken one block after another, from block 0: each
+    addition rounds once, so trailing blocks of zeros change no bit."""
+    acc = blocks[:, :, 0]
+    for j in range(1, blocks.shape[2]):
+        acc = acc + blocks[:, :, j]
+    return acc
 
 
 def causal_positions(batch: int, start: int, length: int, device) -> torch.Tensor:

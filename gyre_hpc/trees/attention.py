@@ -323,6 +323,7 @@ class InvariantTreeAttention:
     def __init__(self, position_ids: torch.Tensor):
         self.position_ids = position_ids
         self.plans = [path_segments(row) for row in position_ids.cpu().numpy()]
+        self._masks: dict[tuple[int, int, int], inv.KeyMask] = {}   # shared by the layers
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         Lq, S = q.shape[2], k.shape[2]
@@ -343,8 +344,11 @@ class InvariantTreeAttention:
                     continue
                 idx = torch.from_numpy(keys[:len(keys) - (e - e0)]).to(k.device)
                 pos = self.position_ids[b:b + 1, s0:e0]
+                mask = self._masks.get((b, s0, e0))
+                if mask is None:
+                    mask = self._masks[(b, s0, e0)] = inv.KeyMask(pos, 1)
                 parts.append(inv.attention(q[b:b + 1, :, s0 - offset:e0 - offset], k[b:b + 1, :, idx],
-                                           v[b:b + 1, :, idx], pos))
+                                           v[b:b + 1, :, idx], pos, mask))
             rows.append(torch.cat(parts, dim=2))
         return torch.cat(rows, dim=0)
 

@@ -27,12 +27,14 @@ def test_bench_reports_rates_ratios_and_token_identity_for_every_case():
     assert (b["streams"], b["prompt_tokens"], b["new_tokens"]) == (16, 25, 6)
     for case in result["cases"].values():
         rate = case["tokens_per_s"]
-        assert all(rate[k] > 0 for k in ("torch", "vllm_engine", "vllm_raw"))
+        assert all(rate[k] > 0 for k in ("torch", "torch_native", "vllm_engine", "vllm_raw"))
+        assert case["invariant_cost"] == pytest.approx(rate["torch_native"] / rate["torch"], rel=1e-2)
         assert case["vllm_engine_over_raw"] == pytest.approx(rate["vllm_engine"] / rate["vllm_raw"], rel=1e-2)
         assert case["adapter_overhead"] == pytest.approx(1 - case["vllm_engine_over_raw"], abs=1e-3)
         # greedy on the same weights: the adapter and raw vLLM agree token for token
         assert case["tokens_identical"]["vllm_engine_vs_raw"]
     assert result["max_adapter_overhead"] == max(c["adapter_overhead"] for c in result["cases"].values())
+    assert result["invariant_cost_batch"] == b["invariant_cost"]
 
 
 def test_bench_refuses_an_unknown_case():

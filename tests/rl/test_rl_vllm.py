@@ -42,6 +42,19 @@ def test_rl_run_with_vllm_rollouts_completes(vllm_run):
     assert checkpoint.read_meta(checkpoint.latest_dir(vllm_run.checkpoints)).step == 2
 
 
+def test_vllm_rollouts_report_their_train_inference_gap(vllm_run):
+    """vLLM's kernels are not the trainer's: the gap is measured each step, not assumed 0,
+    and bounded (same weights, float32: rounding-sized differences, no clipping from them)."""
+    steps = read_table(vllm_run.metrics, "steps")
+    gap_max, gap_mean = steps["logprob_gap_max"], steps["logprob_gap_mean"]
+    print("vllm rollouts: logprob gap max", gap_max.tolist(), "mean", gap_mean.tolist(),
+          "pre-update clip share", steps["pre_update_clip_share"].tolist(), "KL", steps["behaviour_kl"].tolist())
+    assert all(0.0 < g < 1e-2 for g in gap_max), gap_max
+    assert all(0.0 < m <= g for m, g in zip(gap_mean, gap_max))
+    assert all(c == 0.0 for c in steps["pre_update_clip_share"])
+    assert all(0.0 <= k < 1e-4 for k in steps["behaviour_kl"])
+
+
 def test_last_checkpoint_loads_in_transformers_and_vllm_serves_it_with_matching_logprobs(vllm_run):
     transformers = pytest.importorskip("transformers")
     from gyre_hpc.engines import Request, SamplingParams
