@@ -46,16 +46,6 @@ MIN_COLUMNS = 16   # the fewest columns of any product
 KEY_BLOCK = 64     # keys summed in blocks of this many, aligned to position 0
 QUERY_ROWS = 256   # query rows per score tile (memory only; any value gives the same bits)
 
-NUMERICS = ("invariant", "native")
-
-
-def check_numerics(name: str, where: str = "model.numerics") -> bool:
-    """True for ``invariant``; refuses a name that is not one of ``NUMERICS``."""
-    if name not in NUMERICS:
-        raise ValueError(f"{where}={name!r}: valid choices are {', '.join(NUMERICS)}")
-    return name == "invariant"
-
-
 def _round_up(n: int, tile: int) -> int:
     return max(tile, -(-n // tile) * tile)
 
@@ -161,7 +151,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         # including 1 (the largest) can tell apart from 0.
         scores = scores + bias
         top = scores.amax(dim=(2, 4), keepdim=True).detach()                   # exact; softmax ignores it
-        p = torch.exp((scores - top).clamp_(-80.0, 0.0)).mul_(visible)          # [B, Hkv, nb, tile, KB]
+        p = torch.exp((scores - top).clamp_(-80.0, 0.0)) * visible              # [B, Hkv, nb, tile, KB]
         denom = in_order(p.sum(-1))                                             # [B, Hkv, tile]
         acc = in_order(p @ v_blocks[:, :, :nb])                                 # [B, Hkv, tile, d_out]
         outs.append(acc[:, :, :n, :Dh] / denom[:, :, :n, None])

@@ -507,3 +507,53 @@ def test_rank_handler_reloads_an_engine_with_its_own_weights_and_only_versions_a
     assert own.model is not trainer.model
     for key, t in trainer.model_state().items():
         torch.testing.assert_close(own.model.state_dict()[key], t, rtol=0, atol=0)
+
+
+def test_model_numerics_selects_the_engines_and_the_trainers_kernels(tmp_path):
+    """invariant (default): the cell's TorchEngine and the trainer's tree attention are the
+    invariant ones; native: neither is."""
+    from gyre_hpc.rl.fleet import rollout_engine
+    from tests.rl.rl_helpers import rl_config
+
+    for numerics, invariant in (("invariant", True), ("native", False)):
+        cfg = rl_config(tmp_path, f"model.numerics={numerics}")
+        trainer = RLTrainer(cfg)
+        engine = rollout_engine(cfg, trainer, tmp_path, cell_id=1, version=0, max_batch=4)
+        assert engine.invariant is invariant
+        assert (trainer.attention == "invariant") is invariant
+    assert rl_config(tmp_path).model.numerics == "invariant"
+
+
+def test_a_micro_batch_reports_its_logprob_gap():
+    """The trainer's gap figures: 0 against its own logprobs, the true difference against
+    behaviour logprobs shifted by 0.5 (clip share and k3 KL computed from it)."""
+    from dataclasses import replace
+
+    from gyre_hpc.rl.trainer import MicroBatch
+    from gyre_hpc.trees.attention import tree_attention
+    from gyre_hpc.trees.loss import LogprobGap, sample_logprobs
+    from gyre_hpc.trees.synthetic import synthetic_journal
+
+    trainer = RLTrainer(build_config({"workload": "rl"}, []))
+    trees = [build_tree(synthetic_journal(SyntheticConfig(n_calls=6), seed=i), run_id=f"r{i}", task_id="t",
+                        reward=float(i)) for i in range(2)]
+    rows = pack(trees, 4096)
+    batch = collate(rows)
+    fn = tree_attention("invariant", batch.subtree_end, needs_grad=False, position_ids=batch.position_ids)
+    with torch.no_grad():
+        own = sample_logprobs(trainer.model(batch.input_ids, batch.position_ids, attention_fn=fn, invariant=True),
+                              batch).numpy()
+    exact, at = [], 0
+    for r in rows:
+        exact.append(replace(r, sample_logprobs=own[at:at + r.n_samples].astype(np.float32)))
+        at += r.n_samples
+    mb = MicroBatch(1, 0, tuple(exact), np.zeros(2), np.array([run_targets(t, "per_sample") for t in trees]))
+    gap = trainer.train_micro_batch(mb).gap
+    assert gap.targets == at > 0 and gap.max_abs == 0.0 and gap.kl == 0.0 and gap.clip_share == 0.0
+    shifted = tuple(replace(r, sample_logprobs=r.sample_logprobs - np.float32(0.5)) for r in exact)
+    gap = trainer.train_micro_batch(replace(mb, rows=shifted)).gap
+    assert gap.max_abs == pytest.approx(0.5, abs=1e-5) and gap.mean_abs == pytest.approx(0.5, abs=1e-5)
+    assert gap.clip_share == 1.0 and gap.kl == pytest.approx(np.exp(0.5) - 1 - 0.5, rel=1e-4)
+    merged = LogprobGap(2, 0.1, 0.1, 0, 0.0).merge(LogprobGap(2, 0.3, 0.4, 1, 0.2))
+    assert (merged.targets, merged.max_abs, merged.mean_abs, merged.clip_share) == (4, 0.3, 0.125, 0.25)
+    assert merged.kl == pytest.approx(0.05)

@@ -40,6 +40,19 @@ def _setup(model, make_journal):
     return trees, float(ref_loss.detach()), _grads(model)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "invariant"])
+def test_invariant_tree_attention_gives_the_reference_loss_and_gradient(model, make_journal, attention):
+    """The invariant kernels (bitwise the engine's numbers) are also the right numbers: the
+    call-by-call float64 reference's loss and gradient, plain and in chunks."""
+    trees, ref_loss, ref_grads = _setup(model, make_journal)
+    weights = StepWeights.from_trees(trees)
+    for chunk in (None, 37):
+        rows = pack(trees, 10_000 if chunk is None else chunk)
+        total = sum(backward_packed(model, collate([row]), weights, CLIP, attention, chunk_tokens=chunk)
+                    for row in rows)
+        _assert_close(total, _grads(model), ref_loss, ref_grads)
+
+
 @pytest.mark.parametrize("chunk", [13, 64])
 def test_paths_longer_than_a_row_train_in_chunks_exactly(model, make_journal, chunk):
     trees, ref_loss, ref_grads = _setup(model, make_journal)

@@ -1,0 +1,100 @@
+"""models.invariant: the kernels are right (close to the library's) and invariant (equal bits).
+
+The invariance tests are also the check of the BLAS property the kernels rest on (a row's
+product does not depend on the rows beside it once rows are a multiple of ROW_TILE), on the
+machine the suite runs on: a machine where it fails fails here, by name.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gyre_hpc.models import invariant as inv
+from gyre_hpc.models.decoder import build_model
+
+
+@pytest.mark.parametrize("shape", [(64, 172), (172, 64), (128, 344), (128, 512), (32, 64)])
+def test_a_rows_product_is_the_same_whatever_rows_are_beside_it(shape):
+    k, n = shape
+    g = torch.Generator().manual_seed(k * n)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(300, k, generator=g)
+    alone = torch.cat([inv.linear(x[i:i + 1], w, b) for i in range(24)])
+    for m in (2, 3, 5, 7, 9, 11, 16, 17, 33, 300):
+        assert torch.equal(inv.linear(x[:m], w, b)[:24], alone[:min(m, 24)]), m
+    shifted = inv.linear(torch.cat([torch.randn(5, k, generator=g), x[:40]]), w, b)[5:]
+    assert torch.equal(shifted[:24], alone)
+    assert torch.allclose(inv.linear(x, w, b), F.linear(x, w, b), atol=1e-5)
+
+
+def test_the_library_product_is_not_invariant_here():
+    """The negative control: without the padding, 1-3 rows take another kernel on this BLAS."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(172, 64, generator=g), torch.randn(16, 64, generator=g)
+    full = F.linear(x, w)
+    assert any(not torch.equal(F.linear(x[:m], w), full[:m]) for m in (1, 2, 3))
+
+
+def test_silu_is_the_same_at_every_place_and_close_to_torchs():
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(1)) * 4
+    ref = inv.silu(x)
+    for shift in (1, 3, 7, 13):
+        assert torch.equal(inv.silu(x[shift:]), ref[shift:])
+    assert torch.equal(torch.cat([inv.silu(x[i:i + 5]) for i in range(0, 2000, 5)]), ref[:2000])
+    assert torch.allclose(ref, F.silu(x), rtol=1e-6, atol=1e-7)
+
+
+def _qkv(B, Hq, Hkv, S, D=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g),
+            torch.randn(B, Hkv, S, D, generator=g))
+
+
+def test_attention_equals_causal_softmax_attention():
+    q, k, v = _qkv(2, 4, 2, 150)
+    got = inv.attention(q, k, v, inv.causal_positions(2, 0, 150, "cpu"))
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_attention_bits_depend_only_on_a_querys_own_keys():
+    """One query (position 100) computed alone, in a chunk, in a batch with longer rows
+    and garbage past its position, with more padding: the same bits."""
+    q, k, v = _qkv(1, 4, 2, 300, seed=3)
+    pos = torch.tensor([[100]])
+    alone = inv.attention(q[:, :, 100:101], k[:, :, :101], v[:, :, :101], pos)
+    chunk = inv.attention(q[:, :, 90:130], k[:, :, :130], v[:, :, :130], torch.arange(90, 130)[None])[:, :, 10:11]
+    assert torch.equal(alone, chunk)
+    garbage_k, garbage_v = k.clone(), v.clone()
+    garbage_k[:, :, 101:] = 7.0
+    garbage_v[:, :, 101:] = -3.0
+    q2, k2, v2 = _qkv(3, 4, 2, 300, seed=4)
+    batch_q = torch.cat([q2[:1, :, :1], q[:, :, 100:101], q2[1:2, :, :1]])
+    batch_k = torch.cat([k2[:1], garbage_k, k2[1:2]])
+    batch_v = torch.cat([v2[:1], garbage_v, v2[1:2]])
+    batched = inv.attention(batch_q, batch_k, batch_v, torch.tensor([[299], [100], [250]]))[1:2]
+    assert torch.equal(alone, batched)
+
+
+def test_in_order_adds_block_after_block():
+    blocks = torch.randn(1, 1, 5, 3)
+    expected = blocks[:, :, 0] + blocks[:, :, 1] + blocks[:, :, 2] + blocks[:, :, 3] + blocks[:, :, 4]
+    assert torch.equal(inv.in_order(blocks), expected)
+    padded = torch.cat([blocks, torch.zeros(1, 1, 4, 3)], dim=2)
+    assert torch.equal(inv.in_order(padded), expected)
+
+
+def test_invariant_forward_is_close_to_the_native_one():
+    model = build_model("tiny", seed=2)
+    ids = torch.randint(0, 500, (2, 70), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(70)[None].expand(2, 70)
+    with torch.no_grad():
+        a = model(ids, pos, invariant=True)
+        b = model(ids, pos)
+    assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_a_layer_too_narrow_for_the_kernels_is_refused():
+    with pytest.raises(ValueError, match="16"):
+        inv.linear(torch.randn(3, 8), torch.randn(8, 8))
