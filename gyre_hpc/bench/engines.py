@@ -147,4 +147,7 @@ def command(as_json: bool, preset: str, case_names: str, scale: float, repeats: 
              for c, (s, p, n) in CASES.items() if c in case_names.split(",")}
     # One OpenMP thread for vLLM's CPU backend too (contract 4), bound to one core.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    # vLLM logs to stdout by default: with --json, stdout carries the JSON object alone.
+    if as_json:
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     emit(measure(preset, cases, repeats), as_json)

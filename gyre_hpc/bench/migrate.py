@@ -30,6 +30,8 @@ import time
 import click
 
 DEFAULT_CONTEXTS = (1024, 8192, 32768)
+NEW_TOKENS = 8   # the moving request's budget: its prompt is the context less these, so the
+                 # whole sequence fits a context of the model's max_position (32K: 32760 + 8)
 
 
 def _engine(model, name: str):
@@ -50,13 +52,17 @@ def _prompt(n: int) -> tuple[int, ...]:
 def _request(rid: str, prompt: tuple[int, ...]):
     from gyre_hpc.engines import Request, SamplingParams
 
-    return Request(rid, prompt, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=()))
+    return Request(rid, prompt, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=()))
+
+
+def _prompt_len(context: int) -> int:
+    return max(1, context - NEW_TOKENS)
 
 
 def _reprefill_s(model, context: int) -> float:
     """Baseline: a destination that has no cache prefills prompt + generated tokens (context + 1)."""
     dst = _engine(model, "reprefill")
-    dst.submit(_request("baseline", _prompt(context) + (0,)))
+    dst.submit(_request("baseline", _prompt(_prompt_len(context)) + (0,)))
     t0 = time.perf_counter()
     dst.step()
     return time.perf_counter() - t0
@@ -65,7 +71,7 @@ def _reprefill_s(model, context: int) -> float:
 def _source_state(model, context: int):
     """A source engine holding one sequence mid-decode: prefilled, two tokens sampled."""
     src = _engine(model, "source")
-    src.submit(_request("moving", _prompt(context)))
+    src.submit(_request("moving", _prompt(_prompt_len(context))))
     t0 = time.perf_counter()
     src.step()
     prefill_s = time.perf_counter() - t0
@@ -145,6 +151,8 @@ def measure(contexts: list[int], repeats: int, chunk_bytes: int, comm=None) -> d
     return {
         "benchmark": "migrate",
         "model": {"preset": "tiny", "params": model.n_params, "kv_bytes_per_token": layout.bytes_per_token},
+        "numerics": "invariant" if _engine(model, "probe").invariant else "native",
+        "prompt_tokens": {str(c): _prompt_len(c) for c in contexts},
         "baseline": "re-prefill of the same context on the destination engine (no migration)",
         "ratio": "speedup_* = reprefill_s / migrate_*_s",
         "transport": "mpi+in-process" if comm is not None else "in-process",
@@ -177,8 +185,14 @@ def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: b
         ctx = [int(c) for c in contexts.split(",") if c.strip()]
     except ValueError:
         raise click.BadParameter(f"{contexts!r}: expected comma-separated integers, e.g. 1024,8192", param_hint="--contexts")
-    if not ctx or min(ctx) < 2:
-        raise click.BadParameter(f"{contexts!r}: each context must be >= 2 tokens", param_hint="--contexts")
+    if not ctx or min(ctx) < NEW_TOKENS + 2:
+        raise click.BadParameter(f"{contexts!r}: each context must be >= {NEW_TOKENS + 2} tokens (a prompt and "
+                                 f"{NEW_TOKENS} new)", param_hint="--contexts")
+    from gyre_hpc.models.decoder import PRESETS
+
+    if max(ctx) > PRESETS["tiny"].max_position:
+        raise click.BadParameter(f"{contexts!r}: the tiny model holds at most {PRESETS['tiny'].max_position} "
+                                 "tokens", param_hint="--contexts")
     if worker is not None:  # inside mpiexec
         from mpi4py import MPI
 

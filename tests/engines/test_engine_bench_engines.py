@@ -14,14 +14,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.vllm
 def test_bench_reports_rates_ratios_and_token_identity_for_every_case():
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # vLLM's default log level: with --json its INFO lines must go to stderr, not stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
     proc = subprocess.run([gyre, "bench", "engines", "--json", "--preset", "tiny",
                            "--scale", "0.05", "--cases", "a_1x256+256,b_16x512+128,c_prefill_4k", "--repeats", "1"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    result = json.loads(proc.stdout)      # stdout is the JSON object and nothing else
     assert set(result["cases"]) == {"a_1x256+256", "b_16x512+128", "c_prefill_4k"}
     b = result["cases"]["b_16x512+128"]
     assert (b["streams"], b["prompt_tokens"], b["new_tokens"]) == (16, 25, 6)

@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gyre_hpc.bench.migrate import command
+from gyre_hpc.bench.migrate import DEFAULT_CONTEXTS, NEW_TOKENS, _engine, _prompt, _prompt_len, _request, command
 
 
 def _check(result: dict, contexts: list[int], mpi: bool) -> None:
     assert result["benchmark"] == "migrate" and "re-prefill" in result["baseline"]
     assert sorted(map(int, result["contexts"])) == contexts
     for ctx, row in result["contexts"].items():
-        assert row["kv_tokens"] == int(ctx) + 1          # prompt + 2 sampled - 1 in the cache
-        assert row["kv_mb"] == pytest.approx((int(ctx) + 1) * result["model"]["kv_bytes_per_token"] / 2**20)
+        prompt = result["prompt_tokens"][ctx]
+        assert prompt == int(ctx) - NEW_TOKENS
+        assert row["kv_tokens"] == prompt + 1          # prompt + 2 sampled - 1 in the cache
+        assert row["kv_mb"] == pytest.approx((prompt + 1) * result["model"]["kv_bytes_per_token"] / 2**20)
         assert row["reprefill_s"] > 0 and row["migrate_inprocess_s"] > 0
         assert row["speedup_inprocess"] == pytest.approx(row["reprefill_s"] / row["migrate_inprocess_s"])
         if mpi:
@@ -36,6 +38,17 @@ def test_in_process_bench_prints_baseline_and_ratio():
 def test_bad_contexts_are_named():
     out = CliRunner().invoke(command, ["--contexts", "1k"])
     assert out.exit_code != 0 and "--contexts" in out.output
+    out = CliRunner().invoke(command, ["--contexts", "1024,40000"])
+    assert out.exit_code != 0 and "at most 32768" in out.output
+
+
+def test_every_default_context_fits_the_model():
+    """The 32K default once asked for 32768 + 8 tokens of a 32768-position model and crashed."""
+    from gyre_hpc.models.tiny_lm import build_model
+
+    engine = _engine(build_model("tiny", seed=0), "probe")
+    for context in DEFAULT_CONTEXTS:
+        engine.submit(_request(f"c{context}", _prompt(_prompt_len(context))))   # validates, does not run
 
 
 @pytest.mark.mpi
