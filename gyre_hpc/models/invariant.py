@@ -82,9 +82,9 @@ class KeyMask:
         self.row_pos = q_pos[:, None, :].expand(B, groups, T).reshape(B, 1, groups * T)
         self._tiles: dict[tuple[int, int], tuple] = {}
 
-    def tile(self, r0: int, r1: int, n_blocks: int):
-        """(rows' positions padded to the tile, blocks seen, bias, visible) for rows [r0, r1)."""
-        key = (r0, n_blocks)
+    def tile(self, r0: int, r1: int, n_blocks: int, dtype: torch.dtype = torch.float32):
+        """(rows in the tile, blocks seen, bias, visible) for rows [r0, r1), in ``dtype``."""
+        key = (r0, n_blocks, dtype)
         if key not in self._tiles:
             pos = self.row_pos[:, :, r0:r1]
             n = r1 - r0
@@ -94,7 +94,7 @@ class KeyMask:
             nb = min(n_blocks, int(pos.max()) // KEY_BLOCK + 1)                 # blocks any row here sees
             key_at = torch.arange(nb * KEY_BLOCK, device=pos.device)
             seen = (key_at <= pos[..., None]).view(pos.shape[0], 1, tile, nb, KEY_BLOCK).transpose(2, 3)
-            visible = seen.to(torch.float32)
+            visible = seen.to(dtype)
             self._tiles[key] = (tile, nb, (visible - 1.0) * 1e30, visible)
         return self._tiles[key]
 
@@ -139,7 +139,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     for r0 in range(0, n_rows, QUERY_ROWS):
         r1 = min(n_rows, r0 + QUERY_ROWS)
         n = r1 - r0
-        tile, nb, bias, visible = mask.tile(r0, r1, n_blocks)
+        tile, nb, bias, visible = mask.tile(r0, r1, n_blocks, q.dtype)
         qt = rows[:, :, r0:r1] if tile == n else F.pad(rows[:, :, r0:r1], (0, 0, 0, tile - n))
         # One product over the keys the tile sees: each score is a dot over Dh, its order fixed
         # by Dh alone (the key count is the product's column count, which does not enter).

@@ -94,8 +94,8 @@ def test_removing_a_row_moves_the_last_row_into_it_and_an_empty_cache_frees_its_
 def test_growth_in_rows_and_tokens_keeps_every_row():
     cache = _cache(max_tokens=1000)
     rows = [_filled(cache, 3 + i, float(i)) for i in range(5)]       # rows 1 -> 2 -> 4 -> 8
-    cache.reserve(700)                                                 # tokens 256 -> 700
-    assert cache.allocated_rows == 8 and cache.capacity == 700
+    cache.reserve(700)                                   # tokens 256 -> 700, rounded up to the key block
+    assert cache.allocated_rows == 8 and cache.capacity == 704
     for i in rows:
         assert bool((cache.read(i)[1][0] == i + 1.0).all()) and cache.lengths[i] == 3 + i
     cache.reserve(800)
