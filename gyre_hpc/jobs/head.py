@@ -97,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        return run_head(cfg).exit_code
+        if cfg.workload != "rl":
+            return run_head(cfg).exit_code
+        # A batch job's output file: one line per step as it lands, beside the supervisor's.
+        from gyre_hpc.jobs.progress import progress_display
+
+        with progress_display(cfg):
+            return run_head(cfg).exit_code
     except ConfigError as exc:
         print(f"gyre head: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -1,13 +1,17 @@
-"""The live progress display of ``gyre-hpc run`` for the rl workload.
+"""The progress of an rl run: a live table on a terminal, one line per step everywhere else.
 
 The head process is not an MPI rank and must not disturb the fleet, so it reads what the
 controller writes anyway: ``metrics.h5`` in SWMR mode (steps: reward and loss; timeline: the
-cells' roles after each flip; runs: migrations and restarts). A reader thread polls the file
-and a rich ``Live`` table shows it; a file that is briefly unreadable (not created yet, or
-between the supervisor's and the controller's writers) just leaves the last view up.
+cells' roles after each flip; runs: migrations and restarts). A reader thread polls the file.
+On a terminal a rich ``Live`` table shows it. Where stdout is not a terminal (``make run >
+log``, CI, an sbatch job's output file) a live table renders once, at exit, so instead each
+new step prints one line, flushed at once (``step_line``); the supervisor's own lines (launch,
+relaunch, requeue) go to the same stream. A file that is briefly unreadable (not created yet,
+or between the supervisor's and the controller's writers) just leaves the last view up.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -56,6 +60,71 @@ def read_progress(path: Path, cfg: RunConfig) -> Progress:
     return p
 
 
+def step_lines(path: Path, cfg: RunConfig, done: int, started: float) -> list[str]:
+    """One line for each step row of ``metrics.h5`` after the first ``done``: step, reward,
+    wall time, trained tokens, flips, KV moved, the train-inference gap and an ETA."""
+    steps = read_table(path, "steps")
+    n = len(steps["step"])
+    if n <= done:
+        return []
+    tl = read_table(path, "timeline")
+    lines = []
+    for i in range(done, n):
+        step = int(steps["step"][i])
+        in_step = [j for j in range(len(tl["step"])) if int(tl["step"][j]) == step]
+        flips = sum(1 for j in in_step if tl["event"][j] == "flip_end")
+        moved = [j for j in in_step if tl["event"][j] == "migrate"]
+        sessions = sum(int(tl["sessions"][j]) for j in moved)
+        requests = sum(int(tl["requests"][j]) for j in moved) - sessions
+        walls = [float(w) for w in steps["wall_s"][:i + 1]]
+        left = cfg.train.steps - step
+        eta = f"{left * sum(walls) / len(walls):.0f}s" if left > 0 else "done"
+        gap = float(steps["logprob_gap_max"][i])
+        lines.append(f"[progress] {time.strftime('%H:%M:%S')} step {step}/{cfg.train.steps} reward "
+                     f"{float(steps['reward_mean'][i]):.3f} wall {float(steps['wall_s'][i]):.1f}s trained "
+                     f"{int(steps['tokens'][i])} tok flips {flips} KV moved {requests} requests + {sessions} "
+                     f"contexts logprob gap {gap:.3g} ETA {eta} (elapsed {time.monotonic() - started:.0f}s)")
+    return lines
+
+
+@contextmanager
+def progress_lines(cfg: RunConfig, poll_s: float = 2.0, stream=None):
+    """Print ``step_lines`` as steps land while the body (the head's supervisor) runs."""
+    stream = stream or sys.stdout
+    path = RunDir.at(cfg.run_dir).metrics
+    stop = threading.Event()
+    t0 = time.monotonic()
+    state = {"done": _steps_recorded(path)}   # a resumed run's earlier steps were printed before
+
+    def emit():
+        try:
+            lines = step_lines(path, cfg, state["done"], t0)
+        except (OSError, KeyError, ValueError):
+            return
+        for line in lines:
+            print(line, file=stream, flush=True)
+        state["done"] += len(lines)
+
+    def poll():
+        while not stop.wait(poll_s):
+            emit()
+    thread = threading.Thread(target=poll, name="gyre-progress-lines", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        emit()
+
+
+def _steps_recorded(path: Path) -> int:
+    try:
+        return len(read_table(path, "steps")["step"]) if path.exists() else 0
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
 def render(p: Progress, elapsed: float):
     from rich.table import Table
 
@@ -74,7 +143,12 @@ def render(p: Progress, elapsed: float):
 
 @contextmanager
 def progress_display(cfg: RunConfig, poll_s: float = 1.0):
-    """Show live progress while the body (the head's supervisor) runs."""
+    """Show progress while the body (the head's supervisor) runs: the live table on a
+    terminal, ``progress_lines`` anywhere else."""
+    if not sys.stdout.isatty():
+        with progress_lines(cfg):
+            yield
+        return
     from rich.console import Console
     from rich.live import Live
 

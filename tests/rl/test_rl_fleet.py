@@ -85,7 +85,13 @@ def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
                           capture_output=True, text=True, timeout=900, cwd=REPO, env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "[warmstart] checkpoint" in out and "gyre rl: step 2/2" in out
+    assert "[warmstart] checkpoint" in out
+    # stdout is a pipe: a progress line per step, printed as each step landed (the clock in
+    # the lines rises) and before the run's closing lines, not a table rendered at exit
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("[progress] ")]
+    assert [line.split()[3] for line in progress] == ["1/2", "2/2"], progress
+    clocks = [line.split()[1] for line in progress]
+    assert clocks[0] < clocks[1] and proc.stdout.index(progress[-1]) < proc.stdout.index("outputs in")
     meta = latest_meta(run)
     assert meta.step == 2 and meta.extra["trees_committed"] == meta.extra["trained_upto"] == 2 * 4
     with TreeStore.open(run.trees, "r") as store:
@@ -112,7 +118,7 @@ def test_easy_job_completes_writes_outputs_and_reward_rises(tmp_path):
                            f"run_dir={run.root}"], capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"outputs in {run.root}" in proc.stdout and "gyre rl: step 8/8" in proc.stdout
+    assert f"outputs in {run.root}" in proc.stdout and " step 8/8 reward " in proc.stdout
     ids = store_run_ids(run)
     assert len(ids) == 8 * 16 and len(set(ids)) == len(ids)
     meta = latest_meta(run)

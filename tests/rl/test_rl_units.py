@@ -557,3 +557,38 @@ def test_a_micro_batch_reports_its_logprob_gap():
     merged = LogprobGap(2, 0.1, 0.1, 0, 0.0).merge(LogprobGap(2, 0.3, 0.4, 1, 0.2))
     assert (merged.targets, merged.max_abs, merged.mean_abs, merged.clip_share) == (4, 0.3, 0.125, 0.25)
     assert merged.kl == pytest.approx(0.05)
+
+
+def test_progress_lines_print_each_step_as_it_lands(tmp_path):
+    """Without a terminal: one flushed line per new step row (step, reward, wall, tokens, flips,
+    KV moved, gap, ETA), printed while the run goes on, not at its end; earlier steps of a
+    resumed run are not printed again."""
+    import io
+    import threading
+
+    from gyre_hpc.jobs.progress import progress_lines, step_lines
+
+    cfg = build_config({"workload": "rl", "run_dir": str(tmp_path), "train": {"steps": 3}})
+    path = tmp_path / "metrics.h5"
+    with MetricsWriter(path) as m:
+        m.add(StepRow(step=1, time=1.0, wall_s=10.0, tokens=900, reward_mean=0.25, logprob_gap_max=0.0))
+    out = io.StringIO()
+    landed = threading.Event()
+
+    class Stream(io.StringIO):
+        def write(self, s):
+            if "step 2/3" in s:
+                landed.set()
+            return out.write(s)
+
+    with progress_lines(cfg, poll_s=0.05, stream=Stream()):
+        with MetricsWriter(path) as m:
+            m.add(TimelineRow(time=2.0, cell=1, role="TRAIN", event="flip_end", step=2))
+            m.add(TimelineRow(time=2.5, cell=1, role="TRAIN", event="migrate", step=2, requests=5, sessions=3))
+            m.add(StepRow(step=2, time=3.0, wall_s=20.0, tokens=1200, reward_mean=0.5, logprob_gap_max=0.0))
+        assert landed.wait(10), "the step's line did not appear while the run was going"
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "step 1/3" not in out.getvalue()
+    assert ("step 2/3 reward 0.500 wall 20.0s trained 1200 tok flips 1 KV moved 2 requests + 3 contexts "
+            "logprob gap 0 ETA 15s") in lines[0]
+    assert step_lines(path, cfg, 2, 0.0) == [] and len(step_lines(path, cfg, 0, 0.0)) == 2
