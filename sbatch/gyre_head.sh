@@ -35,6 +35,13 @@ PY="${GYRE_PYTHON:-}"
 if [ -z "$PY" ]; then
   if [ -x "${SLURM_SUBMIT_DIR:-.}/.venv/bin/python" ]; then PY="${SLURM_SUBMIT_DIR:-.}/.venv/bin/python"; else PY=python3; fi
 fi
+# Say which python, and stop with a way out when it lacks the project (not a bare
+# ModuleNotFoundError from deep inside the head).
+echo "gyre head: python $PY (GYRE_PYTHON=${GYRE_PYTHON:-unset}, submit dir ${SLURM_SUBMIT_DIR:-.})"
+if ! "$PY" -c "import gyre_hpc, h5py" 2>/dev/null; then
+  echo "gyre head: $PY cannot import gyre_hpc and its dependencies; submit from the project directory (its .venv) or set GYRE_PYTHON=/path/to/venv/bin/python (sbatch --export=ALL,GYRE_PYTHON=...)" >&2
+  exit 2
+fi
 # USR2 is ignored until python installs its handler (which replaces the ignore): Slurm
 # has been seen to send a requeued job its time-limit warning the moment it restarts, and
 # the default action killed the head before it could resume (job FAILED, JobLaunchFailure).

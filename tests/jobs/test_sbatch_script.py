@@ -39,3 +39,25 @@ def test_script_without_a_config_argument_prints_usage(tmp_path):
     script.write_text(render_head_script(build_config({})))
     out = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert out.returncode == 2 and "usage: sbatch" in out.stderr
+
+
+def test_script_names_its_python_and_stops_clearly_when_it_lacks_the_project(tmp_path):
+    """Submitted from a directory without .venv, with a python that lacks the project: the
+    script says which python it chose and how to point at another, instead of a bare
+    ModuleNotFoundError from inside the head."""
+    import sys
+
+    bare = tmp_path / "bin" / "python"
+    bare.parent.mkdir()
+    bare.write_text("#!/bin/sh\nexit 1\n")     # a python that imports nothing
+    bare.chmod(0o755)
+    script = REPO / "sbatch" / "gyre_head.sh"
+    env = {"PATH": "/usr/bin:/bin", "GYRE_PYTHON": str(bare), "SLURM_SUBMIT_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script), "run.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert f"gyre head: python {bare} (GYRE_PYTHON={bare}" in proc.stdout
+    assert "cannot import gyre_hpc" in proc.stderr and "GYRE_PYTHON=/path/to/venv/bin/python" in proc.stderr
+    env["GYRE_PYTHON"] = sys.executable            # the project's own: gets past the check to the head
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "missing.yaml")], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    assert "cannot import gyre_hpc" not in proc.stderr and "missing.yaml" in proc.stderr + proc.stdout
