@@ -72,7 +72,7 @@ fig.tight_layout()
 fig.savefig(FIGURES / "gantt.png", dpi=80)
 '''),
         ("md", "## Per-cell busy fractions\nShare of each cell's time in each state (from the timeline), and "
-               "the KV migrations each released engine made."),
+               "the KV each released engine moved (requests mid-decode and retained contexts)."),
         ("code", '''\
 for name, run in runs.items():
     iv = role_intervals(run)

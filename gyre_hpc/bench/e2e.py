@@ -8,7 +8,7 @@ run, sub-agents, a wall clock) or ``--workload easy-3turn`` (three model calls p
 machine runs spend most of their time in tools and idle engines exist to be reclaimed). Launcher: the
 local Slurm cluster when it is up (one ``srun`` het step per policy over its virtual nodes),
 else ``mpiexec`` on this machine (``--launcher``; the JSON says which). Per policy: wall time per step,
-busy fractions (``rundir.load.time_fractions``), flips and KV migrations; elastic's speedups
+busy fractions (``rundir.load.time_fractions``), flips and requests moved mid-decode; elastic's speedups
 are ratios of totals measured in this same invocation.
 
 Then the simulator (``gyre_hpc.sim``) is given the workload's measured parameters
@@ -174,7 +174,7 @@ def summarize(policy: str, got: dict) -> dict:
         "busy": {k: round(v, 3) for k, v in fractions.items()},
         "slowest_run_share": share,
         "flips": len(res["flips"]),
-        "kv_migrations": res["migrations"],
+        "requests_moved": res["migrations"],
         "restarts": sum(s["restarts"] for s in res["steps"]),
         "recomputed_prefill_tokens": res.get("recomputed_prefill_tokens", 0),
         "reward_mean": [round(s["reward_mean"], 3) for s in res["steps"]],

@@ -2,7 +2,7 @@
 
 The head process is not an MPI rank and must not disturb the fleet, so it reads what the
 controller writes anyway: ``metrics.h5`` in SWMR mode (steps: reward and loss; timeline: the
-cells' roles after each flip; runs: migrations and restarts). A reader thread polls the file.
+cells' roles after each flip and what moved with its KV; runs: requests moved and restarts). A reader thread polls the file.
 On a terminal a rich ``Live`` table shows it. Where stdout is not a terminal (``make run >
 log``, CI, an sbatch job's output file) a live table renders once, at exit, so instead each
 new step prints one line, flushed at once (``step_line``); the supervisor's own lines (launch,
@@ -33,7 +33,8 @@ class Progress:
     logprob_gap_max: float = float("nan")   # the last step's trainer-vs-behaviour gap
     flips: int = 0
     runs: int = 0
-    migrations: int = 0
+    migrations: int = 0        # requests moved mid-decode (the runs table's count)
+    contexts_moved: int = 0    # retained agent contexts moved with their KV (the timeline's)
     restarts: int = 0
 
 
@@ -49,10 +50,12 @@ def read_progress(path: Path, cfg: RunConfig) -> Progress:
         p.loss = float(steps["loss"][-1])
         p.logprob_gap_max = float(steps["logprob_gap_max"][-1])
     tl = read_table(path, "timeline")
-    for cell, role, event in zip(tl["cell"], tl["role"], tl["event"]):
+    for cell, role, event, sessions in zip(tl["cell"], tl["role"], tl["event"], tl["sessions"]):
         if event == "flip_end":
             p.roles[int(cell)] = str(role)
             p.flips += 1
+        elif event == "migrate":
+            p.contexts_moved += int(sessions)
     runs = read_table(path, "runs")
     p.runs = len(runs["run_id"])
     p.migrations = int(runs["migrations"].sum())
@@ -137,7 +140,9 @@ def render(p: Progress, elapsed: float):
     table.add_row("loss (last step)", f"{p.loss:.4g}")
     table.add_row("logprob gap trainer-vs-engine (last step, max)", f"{p.logprob_gap_max:.3g}")
     table.add_row("cell roles", "  ".join(f"{c}:{r}" for c, r in sorted(p.roles.items())))
-    table.add_row("flips / runs / KV migrations / restarts", f"{p.flips} / {p.runs} / {p.migrations} / {p.restarts}")
+    table.add_row("flips / runs / restarts", f"{p.flips} / {p.runs} / {p.restarts}")
+    table.add_row("KV moved: requests mid-decode + retained contexts",
+                  f"{p.migrations} + {p.contexts_moved} = {p.migrations + p.contexts_moved}")
     return table
 
 

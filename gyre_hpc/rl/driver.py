@@ -721,7 +721,7 @@ class RLStepDriver:
         rec = self._loop.run_until_complete(self.run_step_async(step))
         if rec is not None:
             print(f"[rl] step {step}/{self.cfg.train.steps} reward {rec.reward_mean:.3f} loss {rec.loss:.4f} "
-                  f"train cells {list(rec.train_cells)} flips {rec.flips} migrations {rec.migrations} "
+                  f"train cells {list(rec.train_cells)} flips {rec.flips} requests moved mid-decode {rec.migrations} "
                   f"logprob gap max {rec.gap.max_abs:.3g} {rec.wall_s:.2f}s", flush=True)
         return rec
 

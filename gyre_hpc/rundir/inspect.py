@@ -130,7 +130,7 @@ def summarize(path: str | Path) -> RunSummary:
     runs = None
     if "runs" in tables and len(tables["runs"]["run_id"]):
         r = tables["runs"]
-        runs = {"runs": int(len(r["run_id"])), "migrations": int(r["migrations"].sum()),
+        runs = {"runs": int(len(r["run_id"])), "requests_moved": int(r["migrations"].sum()),
                 "restarts": int(r["restarts"].sum()), "statuses": dict(Counter(str(x) for x in r["status"]))}
 
     effects = None
@@ -150,11 +150,14 @@ def summarize(path: str | Path) -> RunSummary:
 def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = None) -> dict:
     """The flips of a run and what they cost the rollouts, from the metrics tables.
 
-    ``kv_migrations``: drains that moved KV (``migrate`` rows with requests > 0), i.e.
-    releases of a cell that had requests in flight or held retained session contexts; with
-    the in-flight requests (``migrated_requests``) and session contexts
-    (``migrated_sessions``) moved, all their cached KV tokens (``migrated_kv_tokens``, of
-    which ``migrated_session_kv_tokens`` were session contexts) and bytes. ``restarts`` (runs table): model calls
+    One vocabulary for what moves with its KV cache when an engine is released (the same
+    words in the live table, the progress lines, ``inspect`` and docs/rl.md):
+    ``requests_moved``: in-flight requests moved mid-decode; ``contexts_moved``: retained
+    agent contexts (a session's KV between its calls) moved; ``kv_moved``: the two together;
+    ``kv_moved_tokens`` (of which ``contexts_moved_kv_tokens``) and ``kv_moved_bytes``: their
+    cached KV; ``releases_moving_kv``: the releases (``migrate`` rows with anything moved) that
+    did it; ``run_requests_moved``: the runs table's count of its requests moved, which must
+    equal ``requests_moved``. ``restarts`` (runs table): model calls
     submitted again from scratch. ``recomputed_prefill_tokens`` (steps table): prefill the
     engines did twice. ``flaps``: a cell released (ROLLOUT -> TRAIN) and reclaimed in the same
     step, i.e. an engine given up and needed back for the same batch. ``reversals``: any flip
@@ -163,9 +166,9 @@ def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = 
     A fleet launch (``start`` rows) begins each cell's count afresh.
     """
     last: dict[int, tuple[int, str]] = {}       # cell -> (step, role) of its latest flip this launch
-    out = {"flips": 0, "releases": 0, "reclaims": 0, "kv_migrations": 0, "migrated_requests": 0,
-           "migrated_sessions": 0, "migrated_kv_tokens": 0, "migrated_session_kv_tokens": 0,
-           "migrated_kv_bytes": 0, "flaps": 0, "reversals": 0}
+    out = {"flips": 0, "releases": 0, "reclaims": 0, "releases_moving_kv": 0, "requests_moved": 0,
+           "contexts_moved": 0, "kv_moved": 0, "kv_moved_tokens": 0, "contexts_moved_kv_tokens": 0,
+           "kv_moved_bytes": 0, "flaps": 0, "reversals": 0}
     n = len(timeline["cell"])
     sessions = timeline.get("sessions", [0] * n)
     session_tokens = timeline.get("session_tokens", [0] * n)
@@ -176,12 +179,13 @@ def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = 
         if event == "start":
             last.pop(cell, None)
         elif event == "migrate" and int(requests) > 0:
-            out["kv_migrations"] += 1
-            out["migrated_requests"] += int(requests) - int(n_sessions)
-            out["migrated_sessions"] += int(n_sessions)
-            out["migrated_kv_tokens"] += int(tokens)
-            out["migrated_session_kv_tokens"] += int(s_tokens)
-            out["migrated_kv_bytes"] += int(nbytes)
+            out["releases_moving_kv"] += 1
+            out["requests_moved"] += int(requests) - int(n_sessions)
+            out["contexts_moved"] += int(n_sessions)
+            out["kv_moved"] += int(requests)
+            out["kv_moved_tokens"] += int(tokens)
+            out["contexts_moved_kv_tokens"] += int(s_tokens)
+            out["kv_moved_bytes"] += int(nbytes)
         elif event == "flip_end":
             out["flips"] += 1
             out["releases" if role == "TRAIN" else "reclaims"] += 1
@@ -191,7 +195,7 @@ def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = 
                 out["flaps"] += int(prev[1] == "TRAIN" and role == "ROLLOUT")
             last[cell] = (step, role)
     has_runs = runs is not None and len(runs["run_id"]) > 0
-    out["run_migrations"] = int(runs["migrations"].sum()) if has_runs else 0
+    out["run_requests_moved"] = int(runs["migrations"].sum()) if has_runs else 0
     out["restarts"] = int(runs["restarts"].sum()) if has_runs else 0
     out["recomputed_prefill_tokens"] = (int(steps["recomputed_prefill_tokens"].sum())
                                         if steps is not None and len(steps["step"]) else 0)
@@ -285,13 +289,14 @@ def render(summary: RunSummary) -> None:
                           f"{a['dropped_calls']} of {a['calls_total']} calls ({a['runs_with_drops']} runs)")
     if summary.runs is not None:
         r = summary.runs
-        console.print(f"agent runs: {r['runs']} ({r['statuses']}), KV migrations {r['migrations']}, "
+        console.print(f"agent runs: {r['runs']} ({r['statuses']}), requests moved mid-decode {r['requests_moved']}, "
                       f"restarts {r['restarts']}")
     f = summary.flip_effects
     if f and f["flips"]:
-        console.print(f"flips: {f['flips']} ({f['releases']} to TRAIN, {f['reclaims']} to ROLLOUT); releases that moved "
-                      f"KV {f['kv_migrations']}: {f['migrated_requests']} in-flight requests and "
-                      f"{f['migrated_sessions']} session contexts moved with {f['migrated_kv_tokens']} KV tokens ({f['migrated_kv_bytes'] / 1e6:.1f} MB); restarts "
+        console.print(f"flips: {f['flips']} ({f['releases']} to TRAIN, {f['reclaims']} to ROLLOUT); KV moved: "
+                      f"{f['requests_moved']} requests mid-decode + {f['contexts_moved']} retained contexts = "
+                      f"{f['kv_moved']} ({f['kv_moved_tokens']} KV tokens, {f['kv_moved_bytes'] / 1e6:.1f} MB) in "
+                      f"{f['releases_moving_kv']} releases; restarts "
                       f"{f['restarts']}, recomputed prefill tokens {f['recomputed_prefill_tokens']}, flaps "
                       f"{f['flaps']} (released and reclaimed in one step)")
 

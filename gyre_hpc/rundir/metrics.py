@@ -26,7 +26,7 @@ _TEXT = "S160"
 # table -> ordered (column, dtype). Roles: ROLLOUT, TRAIN, SWITCH, IDLE, DOWN.
 TABLES: dict[str, list[tuple[str, Any]]] = {
     # One row per event on a cell: role changes (start/end of a flip), launches, relaunches,
-    # KV migrations (``migrate``: in-flight requests + retained session contexts moved, their
+    # KV moves (``migrate``: in-flight requests + retained agent contexts moved, their
     # cached KV tokens and bytes; ``sessions``/``session_tokens``: the session contexts' share).
     "timeline": [
         ("time", "f8"), ("cell", "i4"), ("role", _STR), ("event", _STR), ("step", "i4"),

@@ -55,8 +55,8 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     assert list(read_table(run.metrics, "steps")["recomputed_prefill_tokens"]) == [0, 0]
     from gyre_hpc.rundir.inspect import summarize
     effects = summarize(run.root).flip_effects
-    assert effects["kv_migrations"] >= 1 and effects["migrated_requests"] == result["migrations"]
-    assert effects["migrated_kv_tokens"] > 0 and effects["run_migrations"] == result["migrations"]
+    assert effects["releases_moving_kv"] >= 1 and effects["requests_moved"] == result["migrations"]
+    assert effects["kv_moved_tokens"] > 0 and effects["run_requests_moved"] == result["migrations"]
     assert effects["restarts"] == 0 and effects["recomputed_prefill_tokens"] == 0 and effects["flaps"] == 0
     # The joiner got weights AND optimizer moments: the flip moved the trainer's whole state
     # and every replica holds bit-identical state after each step's update.

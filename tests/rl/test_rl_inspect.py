@@ -29,7 +29,7 @@ def test_inspect_shows_rl_steps_trees_and_runs(tmp_path):
     assert shapes["calls_per_run"] == {"mean": 1.0, "p50": 1.0, "p90": 1.0, "max": 1}
     assert shapes["sharing_ratio"] == 1.0 and shapes["trained_share"] == 4 / 10
     assert shapes["runs_with"] == {"compression": 0.0, "subagent": 0.0, "retry": 0.0, "timeout": 0.0}
-    assert s.runs == {"runs": 2, "migrations": 2, "restarts": 0, "statuses": {"finished": 1, "timeout": 1}}
+    assert s.runs == {"runs": 2, "requests_moved": 2, "restarts": 0, "statuses": {"finished": 1, "timeout": 1}}
 
 
 def test_inspect_counts_migrations_restarts_recomputed_prefill_and_flaps(tmp_path):
@@ -75,7 +75,7 @@ def test_inspect_counts_migrations_restarts_recomputed_prefill_and_flaps(tmp_pat
     out = CliRunner().invoke(inspect, [str(run.root), "--json"])
     assert out.exit_code == 0, out.output
     effects = json.loads(out.output)["flip_effects"]
-    assert effects == {"flips": 6, "releases": 3, "reclaims": 3, "kv_migrations": 2, "migrated_requests": 3,
-                       "migrated_sessions": 2, "migrated_kv_tokens": 1200, "migrated_session_kv_tokens": 300,
-                       "migrated_kv_bytes": 72, "flaps": 1, "reversals": 2,
-                       "run_migrations": 3, "restarts": 2, "recomputed_prefill_tokens": 17}
+    assert effects == {"flips": 6, "releases": 3, "reclaims": 3, "releases_moving_kv": 2, "requests_moved": 3,
+                       "contexts_moved": 2, "kv_moved": 5, "kv_moved_tokens": 1200, "contexts_moved_kv_tokens": 300,
+                       "kv_moved_bytes": 72, "flaps": 1, "reversals": 2,
+                       "run_requests_moved": 3, "restarts": 2, "recomputed_prefill_tokens": 17}

@@ -20,7 +20,7 @@ from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.rl.batches import ReplicaSpeeds, group_micro_batches, pick_replica
 from gyre_hpc.rl.runs import sample_runs
 from gyre_hpc.rl.fleet import check_rl_config
-from gyre_hpc.jobs.progress import read_progress
+from gyre_hpc.jobs.progress import read_progress, render
 from gyre_hpc.rl.router_client import RouterDriver
 from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer
 from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow, TimelineRow
@@ -318,10 +318,18 @@ def test_progress_reads_steps_roles_and_runs(tmp_path):
         m.add(StepRow(step=1, time=0.0, wall_s=1.0, reward_mean=0.25, loss=0.1))
         m.add(StepRow(step=2, time=1.0, wall_s=1.0, reward_mean=0.5, loss=0.05))
         m.add(TimelineRow(time=0.5, cell=2, role="TRAIN", event="flip_end"))
+        m.add(TimelineRow(time=0.6, cell=2, role="TRAIN", event="migrate", requests=5, sessions=2))
         m.add(RunRow(time=1.0, step=2, run_id="s2", task_id="t", status="finished", reward=0.5, migrations=3))
     p = read_progress(tmp_path / "metrics.h5", cfg)
-    assert (p.step, p.reward, p.flips, p.migrations, p.restarts) == (2, [0.25, 0.5], 1, 3, 0)
+    assert (p.step, p.reward, p.flips, p.migrations, p.contexts_moved, p.restarts) == (2, [0.25, 0.5], 1, 3, 2, 0)
     assert p.roles == {0: "TRAIN", 1: "ROLLOUT", 2: "TRAIN"}
+    from rich.console import Console
+
+    console = Console(record=True, width=120)
+    console.print(render(p, 3.0))
+    text = console.export_text()
+    assert "KV moved: requests mid-decode + retained contexts" in text and "3 + 2 = 5" in text
+    assert "KV migrations" not in text
 
 
 def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
