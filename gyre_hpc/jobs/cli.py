@@ -71,13 +71,18 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--sbatch", "use_sbatch", is_flag=True,
               help="submit a generated het-job script with sbatch instead of through submitit")
 @click.option("--wait", is_flag=True, help="wait for the head job and print its result (submitit)")
-def submit(config: str, overrides: tuple[str, ...], use_sbatch: bool, wait: bool) -> None:
+@click.option("--dry-run", is_flag=True,
+              help="print the sbatch script and the resolved config that would be submitted; submit and write nothing")
+def submit(config: str, overrides: tuple[str, ...], use_sbatch: bool, wait: bool, dry_run: bool) -> None:
     """Submit the head job to Slurm (submitit by default)."""
     from gyre_hpc.rundir.layout import RunDir
 
     cfg = _load(config, overrides).model_copy(update={"launcher": "slurm"})
     # Never train on a login node: a warm start must be built already (in an allocation).
     cfg = _prepare(cfg, build=False)
+    if dry_run:
+        click.echo(dry_run_text(cfg, use_sbatch), nl=False)
+        return
     run_dir = RunDir.at(cfg.run_dir).make()
     cfg = cfg.model_copy(update={"run_dir": str(run_dir.root)})
     if use_sbatch:
@@ -95,6 +100,26 @@ def submit(config: str, overrides: tuple[str, ...], use_sbatch: bool, wait: bool
             click.echo(str(wait_for_result(job)))
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from None
+
+
+def dry_run_text(cfg: RunConfig, use_sbatch: bool) -> str:
+    """What ``submit`` would submit, as text: the batch script and the resolved config. Writes
+    nothing (the run directory is named, not made) and calls no Slurm command."""
+    root = Path(cfg.run_dir).expanduser().resolve()
+    cfg = cfg.model_copy(update={"run_dir": str(root)})
+    if use_sbatch:
+        from gyre_hpc.jobs.sbatch_script import render_head_script
+
+        script = render_head_script(cfg, output=str(root / "logs" / "head-%j.out"))
+        how = f"sbatch --parsable {root / 'gyre_head.sh'} {root / 'submitted.yaml'}"
+    else:
+        from gyre_hpc.jobs.submit import submission_script
+
+        script = submission_script(cfg, root / "submitit")
+        how = f"submitit (sbatch of this script from {root / 'submitit'})"
+    return (f"# gyre-hpc submit --dry-run: nothing was submitted or written\n# would run: {how}\n"
+            f"# ---- batch script ----\n{script}# ---- resolved config ({root / 'submitted.yaml'}) ----\n"
+            f"{cfg.to_yaml()}")
 
 
 def submit_sbatch(cfg: RunConfig, run_root: Path) -> tuple[str, Path]:

@@ -93,6 +93,15 @@ def executor_for(cfg: RunConfig, folder: Path, python: str = sys.executable,
     return ex
 
 
+def submission_script(cfg: RunConfig, folder: Path, spare_head_node: bool = True) -> str:
+    """The sbatch script submitit would write for this head job (``submit --dry-run``).
+
+    submitit has no public dry run; its executor renders the script with the same two calls
+    its own submit makes, so what is printed is what would be submitted."""
+    ex = executor_for(cfg, folder, spare_head_node=spare_head_node)
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+
+
 def submit(cfg: RunConfig, folder: str | Path | None = None, spare_head_node: bool = True) -> submitit.Job:
     """Submit the head job; returns the submitit Job (``job.task(0).result()`` waits for it)."""
     if cfg.launcher != "slurm":

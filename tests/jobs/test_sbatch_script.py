@@ -61,3 +61,28 @@ def test_script_names_its_python_and_stops_clearly_when_it_lacks_the_project(tmp
     proc = subprocess.run(["bash", str(script), str(tmp_path / "missing.yaml")], cwd=REPO, env=env,
                           capture_output=True, text=True)
     assert "cannot import gyre_hpc" not in proc.stderr and "missing.yaml" in proc.stderr + proc.stdout
+
+
+def test_submit_dry_run_prints_the_golden_script_and_config_and_writes_nothing(tmp_path):
+    """`gyre-hpc submit --dry-run --sbatch` is the golden text (regenerate it with the command in
+    its first test line when the config or the script changes on purpose); the submitit form
+    shows submitit's own script; neither writes a file or calls Slurm."""
+    from click.testing import CliRunner
+
+    from gyre_hpc.jobs.cli import submit
+
+    golden = (REPO / "tests/jobs/data/dry_run_smoke_sbatch.txt").read_text()
+    out = CliRunner().invoke(submit, ["--dry-run", "--sbatch", str(REPO / "examples/smoke.yaml"),
+                                      "--set", "run_dir=/gyre-golden/run"])
+    assert out.exit_code == 0, out.output
+    assert out.output == golden, ("regenerate: gyre-hpc submit --dry-run --sbatch examples/smoke.yaml --set "
+                                  "run_dir=/gyre-golden/run > tests/jobs/data/dry_run_smoke_sbatch.txt")
+    run_dir = tmp_path / "run"
+    out = CliRunner().invoke(submit, ["--dry-run", str(REPO / "examples/smoke.yaml"), "--set", f"run_dir={run_dir}"])
+    assert out.exit_code == 0, out.output
+    assert f"#SBATCH --output={run_dir}/submitit/%j_0_log.out" in out.output
+    assert "#SBATCH --signal=B:USR2@120" in out.output and "-m submitit.core._submit" in out.output
+    assert f"run_dir: {run_dir}\nlauncher: slurm\n" in out.output
+    assert not run_dir.exists()
+    bad = CliRunner().invoke(submit, ["--dry-run", str(REPO / "examples/smoke.yaml"), "--set", "cells.count=0"])
+    assert bad.exit_code != 0 and "cells.count" in bad.output
