@@ -199,11 +199,21 @@ def notebooks(root: Path | None = None) -> list[Path]:
     return sorted(root.glob("*.ipynb")) if root.is_dir() else []
 
 
+RUN_NOTEBOOKS = ("steps.ipynb", "timeline.ipynb")   # what a finished run's figures need first
+
+
 def notebook_hint(run_root: Path, root: Path | None = None) -> str | None:
-    """Which notebooks to open on this run and how (docs/analysis.md's variables)."""
+    """The command that runs the analysis notebooks on this run, as it can be pasted: this
+    interpreter's ``jupyter-execute`` (nbclient, in the base install), the run's variables
+    (docs/analysis.md), figures written under ``analysis/figures/``."""
     nbs = notebooks(root)
     if not nbs:
         return None
+    run_root = Path(run_root).resolve()
     names = ", ".join(nb.name for nb in nbs)
-    return (f"notebooks ({names}; steps.ipynb: reward and step times, timeline.ipynb: cell roles):\n"
-            f"  cd {nbs[0].parent} && GYRE_RUNS={Path(run_root).parent} GYRE_TREES_RUN={run_root} jupyter lab")
+    chosen = [nb.name for nb in nbs if nb.name in RUN_NOTEBOOKS] or [nbs[0].name]
+    execute = Path(sys.executable).with_name("jupyter-execute")
+    return (f"notebooks ({names}; steps.ipynb: reward and step times, timeline.ipynb: cell roles); figures "
+            f"into {nbs[0].parent / 'figures'}:\n"
+            f"  cd {nbs[0].parent} && GYRE_RUNS={run_root.parent} GYRE_TREES_RUN={run_root} {execute} "
+            f"{' '.join(chosen)}")

@@ -102,6 +102,15 @@ def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
     runs = read_table(run.metrics, "runs")
     assert set(runs["status"].tolist()) <= {"finished", "timeout"}
     assert all(0.0 <= r <= 1.0 for r in runs["reward"])
+    # The notebook command the run printed works as printed, in a bare environment (nothing
+    # of the venv on PATH): the base install carries jupyter-execute and the kernel.
+    lines = proc.stdout.splitlines()
+    command = lines[next(i for i, line in enumerate(lines) if line.startswith("notebooks (")) + 1].strip()
+    figures = tmp_path / "figures"
+    nb = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GYRE_FIGURES": str(figures)})
+    assert nb.returncode == 0, nb.stdout[-2000:] + nb.stderr[-2000:]
+    assert {"rewards.png", "step_times.png", "gantt.png"} <= {p.name for p in figures.iterdir()}
     # model.numerics invariant (the default): the trainer's logprob of every trained token,
     # before the step's update, is the engine's behaviour logprob bit for bit.
     steps = read_table(run.metrics, "steps")

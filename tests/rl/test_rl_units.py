@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -360,6 +362,8 @@ def test_notebook_hint_names_the_notebooks_and_the_run(tmp_path):
     (tmp_path / "analysis" / "steps.ipynb").write_text("{}")
     hint = notebook_hint(tmp_path / "runs" / "r", root=tmp_path / "analysis")
     assert "steps.ipynb" in hint and f"GYRE_RUNS={tmp_path / 'runs'}" in hint and f"GYRE_TREES_RUN={tmp_path / 'runs' / 'r'}" in hint
+    execute = Path(sys.executable).with_name("jupyter-execute")
+    assert hint.endswith(f"{execute} steps.ipynb") and execute.exists()   # the base install carries it
 
 
 def test_tool_latency_is_seeded_lognormal_and_only_between_calls(tmp_path):
