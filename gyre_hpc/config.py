@@ -175,11 +175,20 @@ class SuperviseConfig(_Section):
     poll_s: float = Field(0.5, gt=0)
 
 
+class WandbConfig(_Section):
+    """Weights & Biases: the same per-step and engine figures as TensorBoard (``rundir.wandb_mirror``)."""
+    project: str = Field(..., min_length=1, description="the wandb project")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: files under <run_dir>/wandb (wandb sync them later); online: upload live")
+    entity: str | None = Field(None, description="team or user (wandb's default when unset)")
+
+
 class MetricsConfig(_Section):
     """Where the run's figures go besides ``metrics.h5`` (always written; it stays the source)."""
     tensorboard: bool = Field(
         False, description="also write the per-step and engine figures as TensorBoard event files "
                            "under <run_dir>/tensorboard/")
+    wandb: WandbConfig | None = Field(None, description="also log them to Weights & Biases (the `wandb` extra)")
 
 
 class RunConfig(_Section):

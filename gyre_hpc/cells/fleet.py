@@ -29,7 +29,7 @@ from gyre_hpc.cells.substrate_driver import SubstrateDriver
 from gyre_hpc.cells.workload import SubstrateWorkload, Workload, load_into
 from gyre_hpc.config import ConfigError, RunConfig, load_config
 from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import MetricsWriter, recover_unclosed
+from gyre_hpc.rundir.metrics import MetricsWriter, Mirrors, recover_unclosed
 from gyre_hpc.rundir.tensorboard import TensorBoardMirror, run_origin_s
 from gyre_hpc.sched.state import Policy, Role
 
@@ -135,12 +135,21 @@ def open_fleet_metrics(run: RunDir, cfg: RunConfig) -> MetricsWriter:
     """The controller's metrics writer; repairs a file a killed fleet left flagged as open.
 
     Nobody else writes while the fleet starts, so reopening here is safe whoever launched us.
-    With ``metrics.tensorboard`` the step and engine rows also go to ``<run_dir>/tensorboard/``.
+    With ``metrics.tensorboard`` the step and engine rows also go to ``<run_dir>/tensorboard/``;
+    with ``metrics.wandb`` to Weights & Biases (offline files under ``<run_dir>/wandb/`` by default).
     """
     recovered = recover_unclosed(run.metrics)
-    mirror = TensorBoardMirror(run.tensorboard, run_origin_s(run.metrics, time.time())) \
-        if cfg.metrics.tensorboard else None
-    metrics = MetricsWriter(run.metrics, mirror=mirror)
+    origin = run_origin_s(run.metrics, time.time())
+    mirrors = []
+    if cfg.metrics.tensorboard:
+        mirrors.append(TensorBoardMirror(run.tensorboard, origin))
+    if cfg.metrics.wandb is not None:
+        from gyre_hpc.rundir.wandb_mirror import WandbMirror
+
+        w = cfg.metrics.wandb
+        mirrors.append(WandbMirror(run.root, w.project, w.mode, origin, name=cfg.name, entity=w.entity,
+                                   config=cfg.model_dump(mode="json")))
+    metrics = MetricsWriter(run.metrics, mirror=Mirrors(mirrors) if mirrors else None)
     if recovered:
         metrics.event("metrics_recovered", detail="previous writer died; rows copied to a fresh file")
     return metrics

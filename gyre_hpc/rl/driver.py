@@ -67,12 +67,13 @@ from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.store import TreeStore
 
 OPTIMIZER_FILES = ["model.safetensors", "config.json", "optimizer.safetensors"]
-STEP_ROWS_FILE = "metrics_rows.json"   # the checkpointed step's steps/runs rows
+STEP_ROWS_FILE = "metrics_rows.json"   # the steps/runs rows of the steps a checkpoint seals
 
 
 def restore_step_rows(directory: Path, metrics_path: Path) -> list:
-    """Rows of the checkpointed step missing from ``metrics.h5`` (a kill between the
-    checkpoint commit and the rows' append); [] when they are there or were never saved."""
+    """Rows of the steps a checkpoint sealed that are missing from ``metrics.h5`` (a kill
+    between the checkpoint's commit and the rows' append); [] when they are there or were
+    never saved. A step's rows are appended together, so a step is there whole or not at all."""
     from gyre_hpc.rundir.metrics import read_table
 
     path = Path(directory) / STEP_ROWS_FILE
@@ -80,10 +81,8 @@ def restore_step_rows(directory: Path, metrics_path: Path) -> list:
         return []
     kinds = {"RunRow": RunRow, "StepRow": StepRow}
     rows = [kinds[kind](**fields) for kind, fields in json.loads(path.read_text())]
-    steps = {r.step for r in rows if isinstance(r, StepRow)}
-    if metrics_path.exists() and steps & set(int(s) for s in read_table(metrics_path, "steps")["step"]):
-        return []
-    return rows
+    recorded = set(int(s) for s in read_table(metrics_path, "steps")["step"]) if metrics_path.exists() else set()
+    return [r for r in rows if r.step not in recorded]
 
 
 class CountingEngines(MPIEngines):
@@ -232,7 +231,7 @@ class RLStepDriver:
         self._trained_in_window: dict[int, int] = {}
         self._inflight_integral: dict[int, float] = {}   # engine -> sum of requests held x seconds
         self._last_pump = time.monotonic()
-        self._step_rows: list = []      # the last completed step's metrics rows, written after its checkpoint
+        self._step_rows: list = []      # metrics rows of the steps no checkpoint has sealed yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self.demand = DemandClock(self.engine_capacity_requests())
         self._next: tuple[StepState, list[asyncio.Task]] | None = None   # the next step, rolling out ahead
@@ -674,7 +673,7 @@ class RLStepDriver:
                            weight_sync_bytes=sync_bytes,
                            checksums=checksums, recomputed_prefill_tokens=recomputed, gap=gap)
         now = time.time()
-        self._step_rows = [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
+        self._step_rows += [RunRow(time=now, step=st.step, run_id=o.spec.run_id, task_id=o.spec.task.task_id,
                                   status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
                                   calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
                                   restarts=o.restarts, policy_version=o.tree.policy_version, model_s=o.model_s,
@@ -726,20 +725,23 @@ class RLStepDriver:
         return rec
 
     def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
-        rows = [r for r in self._step_rows if r.step == step]
+        rows = [r for r in self._step_rows if r.step <= step]
         (staging / STEP_ROWS_FILE).write_text(json.dumps([[type(r).__name__, dataclasses.asdict(r)] for r in rows]))
         return (list(OPTIMIZER_FILES) + [STEP_ROWS_FILE],
                 {"trees_committed": len(self.store), "trained_upto": self.trained_upto, "workload": "rl"})
 
     def sealed(self, step: int) -> None:
-        pass
+        # A step's rows are written once a checkpoint covering it is committed, so a fleet
+        # killed before that (between checkpoints with train.checkpoint_every > 1, or between
+        # a step's end and its commit) redoes the step without a second row for it. The
+        # checkpoint carries the rows it seals; a relaunch writes them if the kill came right
+        # after the commit (restore_step_rows).
+        rows = [r for r in self._step_rows if r.step <= step]
+        self._step_rows = [r for r in self._step_rows if r.step > step]
+        self.metrics.append(rows)
 
     def step_done(self, step: int, checkpointed: bool) -> None:
-        # A step's rows are written once its checkpoint is committed, so a fleet killed in
-        # between redoes the step without a second row for it (the checkpoint carries the
-        # rows; a relaunch writes them if the kill came right after the commit).
-        self.metrics.append(self._step_rows)
-        self._step_rows = []
+        pass
 
     def before_stop(self) -> None:
         if self._next is not None:      # runs rolled out ahead of a step that will not run now

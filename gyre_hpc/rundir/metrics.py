@@ -134,11 +134,26 @@ _ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", E
 
 
 class RowMirror(Protocol):
-    """A second destination for the rows (TensorBoard); it sees each row after metrics.h5 has it."""
+    """A second destination for the rows (TensorBoard, wandb); it sees each row after metrics.h5 has it."""
 
     def append(self, rows: list) -> None: ...
 
     def close(self) -> None: ...
+
+
+class Mirrors:
+    """Several mirrors as one (TensorBoard and wandb together)."""
+
+    def __init__(self, mirrors: list):
+        self.mirrors = mirrors
+
+    def append(self, rows: list) -> None:
+        for m in self.mirrors:
+            m.append(rows)
+
+    def close(self) -> None:
+        for m in self.mirrors:
+            m.close()
 
 
 def _open_for_write(path: Path, wait_s: float = 30.0) -> h5py.File:

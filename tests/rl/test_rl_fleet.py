@@ -180,6 +180,43 @@ def test_killed_fleet_resumes_and_keeps_every_committed_tree_once(tmp_path):
     assert len(resumed) == 1 and int(re.search(r"(\d+) trees stored", resumed[0]).group(1)) >= len(seen["ids"])
 
 
+def test_killed_between_checkpoints_every_step_and_run_row_is_written_once(tmp_path):
+    """train.checkpoint_every=2: SIGKILL once step 3 has finished (its trees committed) and step
+    4 is rolling out, the latest checkpoint still step 2. The relaunch redoes steps 3 and 4;
+    each step's row, each run's row and each tree must be there exactly once (step rows are
+    written when a checkpoint seals their step, not when the step ends)."""
+    cfg = rl_config(tmp_path, "train.steps=4", "train.checkpoint_every=2")
+    run = write_run_dir(cfg)
+    sup = Supervisor(cfg=cfg, run=run, launcher=LocalLauncher(), plan=local_plan(cfg), argv=program_argv(run),
+                     log=lambda m: None)
+    per_step = cfg.rollout.tasks_per_step * cfg.rollout.runs_per_task
+    seen: dict = {}
+
+    def killer():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not seen:
+            time.sleep(0.1)
+            if sup.handle is None or not (run.checkpoints / "latest").exists() or not run.trees.exists():
+                continue
+            meta, ids = latest_meta(run), store_run_ids(run)
+            if meta.step == 2 and len(ids) > 3 * per_step:      # step 3 done, step 4's trees arriving
+                seen.update(ids=len(ids), steps=read_table(run.metrics, "steps")["step"].tolist())
+                os.kill(sup.handle.pid, signal.SIGKILL)
+
+    threading.Thread(target=killer, daemon=True).start()
+    result = sup.run_fleet()
+    assert seen, "the fleet finished before a kill point was seen"
+    assert result.status == "finished" and result.launches == 2
+    assert seen["steps"] == [1, 2]                   # step 3 had ended, unsealed: no row yet
+    steps = read_table(run.metrics, "steps")["step"].tolist()
+    assert steps == [1, 2, 3, 4]
+    runs = read_table(run.metrics, "runs")
+    assert sorted(Counter(runs["step"].tolist()).items()) == [(s, per_step) for s in range(1, 5)]
+    assert len(set(runs["run_id"].tolist())) == len(runs["run_id"]) == 4 * per_step
+    ids = store_run_ids(run)
+    assert len(ids) == 4 * per_step and len(set(ids)) == len(ids)
+
+
 @pytest.mark.parametrize("policy", ["colocate", "async"])
 def test_baselines_run_through_the_same_code(tmp_path, policy):
     cfg = rl_config(tmp_path, f"scheduler.policy={policy}")
