@@ -22,6 +22,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: figures are written as PNG files
 import matplotlib.pyplot as plt
 import numpy as np
+from gyre_hpc.rundir import figures  # the figures themselves; gyre-hpc report draws the same
 from gyre_hpc.rundir.load import open_run, open_runs, role_intervals, run_span, time_fractions, tree_savings
 
 SAMPLE = pathlib.Path(os.environ.get("GYRE_SAMPLE", "../runs/analysis-sample"))
@@ -33,7 +34,6 @@ TREES_RUN = pathlib.Path(os.environ.get("GYRE_TREES_RUN", SAMPLE / "synthetic_tr
 SWEEP = pathlib.Path(os.environ.get("GYRE_SWEEP", SAMPLE / "sweep.json"))
 FIGURES = pathlib.Path(os.environ.get("GYRE_FIGURES", "figures"))
 FIGURES.mkdir(parents=True, exist_ok=True)
-COLORS = {"ROLLOUT": "tab:blue", "TRAIN": "tab:orange", "SWITCH": "tab:red", "idle": "lightgray"}
 '''
 
 NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
@@ -43,33 +43,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                "migration (a released engine's in-flight requests moving to the engines that stay)."),
         ("code", SETUP),
         ("code", '''\
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-
 runs = open_runs(RUNS)
-fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), squeeze=False, sharex=True)
-for ax, (name, run) in zip(axes[:, 0], runs.items()):
-    iv = role_intervals(run)
-    t0, _ = run_span(run)  # real runs record epoch times, simulated ones start at 0
-    for state, color in COLORS.items():
-        sel = iv["state"].values == state
-        for c in np.unique(iv["cell"].values[sel]):
-            rows = sel & (iv["cell"].values == c)
-            spans = list(zip(iv["start"].values[rows] - t0, (iv["end"] - iv["start"]).values[rows]))
-            ax.broken_barh(spans, (c - 0.4, 0.8), color=color)
-    for t in run.steps["time"].values:
-        ax.axvline(t - t0, color="k", lw=0.5, ls=":")
-    moves = run.timeline["event"].values == "migrate"
-    ax.plot(run.timeline["time"].values[moves] - t0, run.timeline["cell"].values[moves], "kx", ms=7)
-    ax.set_ylabel(f"{name}\\ncell")
-axes[0, 0].legend(handles=[Patch(color=COLORS["ROLLOUT"], label="ROLLOUT"), Patch(color=COLORS["TRAIN"], label="TRAIN"),
-                           Patch(color=COLORS["SWITCH"], label="switching"),
-                           Line2D([], [], color="k", ls=":", lw=0.8, label="step boundary"),
-                           Line2D([], [], color="k", marker="x", ls="", label="KV migration")],
-                  loc="upper right", fontsize=7, ncol=5)
-axes[-1, 0].set_xlabel("time since start (s)")
-fig.tight_layout()
-fig.savefig(FIGURES / "gantt.png", dpi=80)
+figures.gantt(runs).savefig(FIGURES / "gantt.png", dpi=80)
 '''),
         ("md", "## Per-cell busy fractions\nShare of each cell's time in each state (from the timeline), and "
                "the KV each released engine moved (requests mid-decode and retained contexts)."),
@@ -93,19 +68,8 @@ print({name: int(run.timeline.sizes["row"]) for name, run in runs.items()})'''),
         ("code", SETUP),
         ("code", '''\
 runs = open_runs(RUNS)
+figures.busy(runs).savefig(FIGURES / "busy.png", dpi=80)
 fractions = {name: time_fractions(run) for name, run in runs.items()}
-keys = ["rollout", "train", "switch", "idle"]
-colors = [COLORS["ROLLOUT"], COLORS["TRAIN"], COLORS["SWITCH"], COLORS["idle"]]
-fig, ax = plt.subplots(figsize=(6, 3.5))
-bottom = np.zeros(len(fractions))
-for key, color in zip(keys, colors):
-    vals = np.array([fractions[n][key] for n in fractions])
-    ax.bar(list(fractions), vals, bottom=bottom, color=color, label=key)
-    bottom += vals
-ax.set_ylabel("fraction of cell-time")
-ax.legend(loc="upper left", bbox_to_anchor=(1, 1))
-fig.tight_layout()
-fig.savefig(FIGURES / "busy.png", dpi=80)
 for name, f in fractions.items():
     print(name, {k: round(float(v), 3) for k, v in f.items()})'''),
     ],
@@ -115,32 +79,11 @@ for name, f in fractions.items():
         ("code", SETUP),
         ("code", '''\
 runs = open_runs(RUNS)
-fig, ax = plt.subplots(figsize=(6, 3.5))
-for name, run in runs.items():
-    ax.plot(run.steps["step"].values, run.steps["wall_s"].values / 60, marker="o", label=name)
-ax.set_xlabel("RL step"); ax.set_ylabel("step wall time (min)"); ax.legend()
-fig.tight_layout()
-fig.savefig(FIGURES / "step_times.png", dpi=80)
+figures.step_times(runs).savefig(FIGURES / "step_times.png", dpi=80)
 print({name: round(float(run.steps["wall_s"].sum()) / 3600, 3) for name, run in runs.items()}, "hours")'''),
         ("code", '''\
-fig, ax = plt.subplots(figsize=(6, 3.5))
-curves = {name: (run.steps["step"].values, run.steps["reward_mean"].values) for name, run in runs.items()
-          if np.isfinite(run.steps["reward_mean"].values).any()}
-if TREES_RUN.exists() and (TREES_RUN / "trees.zarr").exists():
-    from gyre_hpc.rundir.load import open_trees
-    trees = open_trees(TREES_RUN / "trees.zarr")
-    version, reward = trees["policy_version"].values, trees["reward"].values
-    steps = np.unique(version)
-    curves[f"{TREES_RUN.name} (trees)"] = (steps, np.array([reward[version == s].mean() for s in steps]))
-for name, (x, y) in curves.items():
-    ax.plot(x, y, marker="o", label=name)
-ax.set_xlabel("RL step (policy version)"); ax.set_ylabel("mean reward"); ax.set_ylim(-0.05, 1.05)
-if curves:
-    ax.legend()
-else:
-    ax.text(0.5, 0.5, "no rewards recorded", ha="center", transform=ax.transAxes)
-fig.tight_layout()
-fig.savefig(FIGURES / "rewards.png", dpi=80)
+curves = figures.reward_curves(runs, TREES_RUN)
+figures.rewards(curves).savefig(FIGURES / "rewards.png", dpi=80)
 print({k: np.round(v[1], 3).tolist() for k, v in curves.items()})'''),
     ],
     "trees.ipynb": [
@@ -150,16 +93,8 @@ print({k: np.round(v[1], 3).tolist() for k, v in curves.items()})'''),
         ("code", '''\
 from gyre_hpc.rundir.load import open_trees
 trees = open_trees(TREES_RUN / "trees.zarr")
+figures.savings(trees).savefig(FIGURES / "tree_savings.png", dpi=80)
 sav = tree_savings(trees)
-fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-idx = np.arange(sav.sizes["tree"])
-a.bar(idx - 0.2, sav["unpacked_tokens"].values, width=0.4, label="calls as separate sequences")
-a.bar(idx + 0.2, sav["tree_tokens"].values, width=0.4, label="tree")
-a.set_xlabel("tree"); a.set_ylabel("tokens"); a.legend()
-b.hist(sav["savings"].values, bins=10)
-b.set_xlabel("unpacked / tree tokens"); b.set_ylabel("trees")
-fig.tight_layout()
-fig.savefig(FIGURES / "tree_savings.png", dpi=80)
 total = float(sav["unpacked_tokens"].sum() / sav["tree_tokens"].sum())
 print(f"{sav.sizes['tree']} trees, {int(sav['tree_tokens'].sum())} tree tokens, {total:.2f}x fewer than unpacked")'''),
     ],

@@ -14,6 +14,7 @@ COMMANDS = {
     "submit": "gyre_hpc.jobs.cli:submit",
     "cluster": "gyre_hpc.jobs.cluster_cli:cluster",
     "inspect": "gyre_hpc.rundir.inspect:inspect",
+    "report": "gyre_hpc.rundir.report:report",
     "bench": "gyre_hpc.bench:bench",
     "sim": "gyre_hpc.sim.cli:sim",
     "warmstart": "gyre_hpc.warmstart.cli:warmstart",

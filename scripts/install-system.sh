@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# System packages the Slurm tests need: Slurm 22.05 daemons and clients, munge, PMIx and
-# Open MPI from Debian. Run explicitly (the test command does); `gyre-hpc cluster up`
-# never installs anything itself, it only says what is missing.
+# System packages the tests need: Slurm 22.05 daemons and clients, munge, PMIx and Open MPI
+# from Debian, and Debian's Chromium for the report page's browser test. Run explicitly (the
+# test command does); `gyre-hpc cluster up` never installs anything itself, it only says what
+# is missing.
 #   scripts/install-system.sh        everything the test suite needs
 #   scripts/install-system.sh mpi    only Open MPI (what `make run`'s local launcher needs)
 set -euo pipefail
 pkgs=(openmpi-bin libopenmpi-dev)
-[ "${1:-all}" = mpi ] || pkgs+=(slurmctld slurmd slurm-client munge libpmix2 libpmix-dev)
+# chromium: the report page's browser test (gyre-hpc report).
+[ "${1:-all}" = mpi ] || pkgs+=(slurmctld slurmd slurm-client munge libpmix2 libpmix-dev chromium)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,7 +1,7 @@
 """Markers that skip with a reason where a real part is absent, never silently.
 
-Under ``make test`` (and CI) GYRE_REQUIRE_SLURM / GYRE_REQUIRE_MPI / GYRE_REQUIRE_VLLM are set:
-an absent cluster, MPI or vLLM is then a failure, so a green run cannot hide skipped tests.
+Under ``make test`` (and CI) GYRE_REQUIRE_SLURM / _MPI / _VLLM / _CHROMIUM are set: an absent
+cluster, MPI, vLLM or Chromium is then a failure, so a green run cannot hide skipped tests.
 """
 from __future__ import annotations
 
@@ -48,8 +48,14 @@ def _vllm_missing() -> str | None:
     return None
 
 
+def _chromium_missing() -> str | None:
+    if shutil.which("chromium") is None:
+        return "chromium not on PATH (scripts/install-system.sh installs Debian's chromium)"
+    return None
+
+
 _CHECKS = {"slurm": (_slurm_up, "GYRE_REQUIRE_SLURM"), "mpi": (_mpi_missing, "GYRE_REQUIRE_MPI"),
-           "vllm": (_vllm_missing, "GYRE_REQUIRE_VLLM")}
+           "vllm": (_vllm_missing, "GYRE_REQUIRE_VLLM"), "chromium": (_chromium_missing, "GYRE_REQUIRE_CHROMIUM")}
 _REASONS: dict[str, str | None] = {}
 
 

@@ -111,6 +111,10 @@ def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GYRE_FIGURES": str(figures)})
     assert nb.returncode == 0, nb.stdout[-2000:] + nb.stderr[-2000:]
     assert {"rewards.png", "step_times.png", "gantt.png"} <= {p.name for p in figures.iterdir()}
+    # ... and without Jupyter: gyre-hpc report writes every figure and the page
+    rep = subprocess.run([gyre, "report", str(run.root)], capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    assert rep.stdout.count("figure ") == 5 and (run.root / "report" / "report.html").is_file()
     # model.numerics invariant (the default): the trainer's logprob of every trained token,
     # before the step's update, is the engine's behaviour logprob bit for bit.
     steps = read_table(run.metrics, "steps")
