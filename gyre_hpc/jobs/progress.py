@@ -95,7 +95,6 @@ def progress_lines(cfg: RunConfig, poll_s: float = 2.0, stream=None):
     """Print ``step_lines`` as steps land while the body (the head's supervisor) runs."""
     stream = stream or sys.stdout
     path = RunDir.at(cfg.run_dir).metrics
-    stop = threading.Event()
     t0 = time.monotonic()
     state = {"done": _steps_recorded(path)}   # a resumed run's earlier steps were printed before
 
@@ -108,17 +107,26 @@ def progress_lines(cfg: RunConfig, poll_s: float = 2.0, stream=None):
             print(line, file=stream, flush=True)
         state["done"] += len(lines)
 
+    with polling(emit, poll_s):
+        yield
+
+
+@contextmanager
+def polling(tick, poll_s: float):
+    """Call ``tick`` every ``poll_s`` seconds in a thread while the body runs, and once more after."""
+    stop = threading.Event()
+
     def poll():
         while not stop.wait(poll_s):
-            emit()
-    thread = threading.Thread(target=poll, name="gyre-progress-lines", daemon=True)
+            tick()
+    thread = threading.Thread(target=poll, name="gyre-progress", daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join(timeout=5)
-        emit()
+        tick()
 
 
 def _steps_recorded(path: Path) -> int:
@@ -158,7 +166,6 @@ def progress_display(cfg: RunConfig, poll_s: float = 1.0):
     from rich.live import Live
 
     path = RunDir.at(cfg.run_dir).metrics
-    stop = threading.Event()
     t0 = time.monotonic()
     state = {"p": None}
 
@@ -171,25 +178,14 @@ def progress_display(cfg: RunConfig, poll_s: float = 1.0):
 
     console = Console()
     with Live(view(), console=console, refresh_per_second=2, transient=False) as live:
-        def poll():
-            while not stop.wait(poll_s):
-                try:
-                    state["p"] = read_progress(path, cfg)
-                except (OSError, KeyError, ValueError):
-                    pass
-                live.update(view())
-        thread = threading.Thread(target=poll, name="gyre-progress", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join(timeout=5)
+        def tick():
             try:
                 state["p"] = read_progress(path, cfg)
             except (OSError, KeyError, ValueError):
                 pass
             live.update(view())
+        with polling(tick, poll_s):
+            yield
     console.line()
 
 

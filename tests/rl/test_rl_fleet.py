@@ -151,26 +151,38 @@ def test_easy_job_completes_writes_outputs_and_reward_rises(tmp_path):
     assert set(engines["cell"].tolist()) == {0, 1, 2}    # the policy saw every cell's live figures
 
 
+def kill_fleet_when(sup, run, ready) -> dict:
+    """SIGKILL the supervisor's fleet (from a thread) the first time ``ready(latest checkpoint
+    meta, committed run ids)`` returns a dict; that dict is filled into the one returned."""
+    seen: dict = {}
+
+    def killer():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not seen:
+            time.sleep(0.1)
+            if sup.handle is None or not (run.checkpoints / "latest").exists() or not run.trees.exists():
+                continue
+            found = ready(latest_meta(run), store_run_ids(run))
+            if found:
+                seen.update(found)
+                os.kill(sup.handle.pid, signal.SIGKILL)
+
+    threading.Thread(target=killer, daemon=True).start()
+    return seen
+
+
 def test_killed_fleet_resumes_and_keeps_every_committed_tree_once(tmp_path):
     """SIGKILL the mpiexec once trees of a step past the last checkpoint are committed."""
     cfg = rl_config(tmp_path, "train.steps=4")
     run = write_run_dir(cfg)
     sup = Supervisor(cfg=cfg, run=run, launcher=LocalLauncher(), plan=local_plan(cfg), argv=program_argv(run),
                      log=lambda m: None)
-    seen: dict = {}
 
-    def killer():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not seen:
-            time.sleep(0.2)
-            if sup.handle is None or not (run.checkpoints / "latest").exists() or not run.trees.exists():
-                continue
-            meta, ids = latest_meta(run), store_run_ids(run)
-            if len(ids) > meta.extra["trained_upto"]:
-                seen.update(ids=ids, trained_upto=meta.extra["trained_upto"], step=meta.step)
-                os.kill(sup.handle.pid, signal.SIGKILL)
+    def past_the_checkpoint(meta, ids):
+        return dict(ids=ids, trained_upto=meta.extra["trained_upto"], step=meta.step) \
+            if len(ids) > meta.extra["trained_upto"] else None
 
-    threading.Thread(target=killer, daemon=True).start()
+    seen = kill_fleet_when(sup, run, past_the_checkpoint)
     result = sup.run_fleet()
     assert seen, "the fleet finished before a kill point was seen"
     assert result.status == "finished" and result.launches == 2
@@ -194,20 +206,12 @@ def test_killed_between_checkpoints_every_step_and_run_row_is_written_once(tmp_p
     sup = Supervisor(cfg=cfg, run=run, launcher=LocalLauncher(), plan=local_plan(cfg), argv=program_argv(run),
                      log=lambda m: None)
     per_step = cfg.rollout.tasks_per_step * cfg.rollout.runs_per_task
-    seen: dict = {}
 
-    def killer():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not seen:
-            time.sleep(0.1)
-            if sup.handle is None or not (run.checkpoints / "latest").exists() or not run.trees.exists():
-                continue
-            meta, ids = latest_meta(run), store_run_ids(run)
-            if meta.step == 2 and len(ids) > 3 * per_step:      # step 3 done, step 4's trees arriving
-                seen.update(ids=len(ids), steps=read_table(run.metrics, "steps")["step"].tolist())
-                os.kill(sup.handle.pid, signal.SIGKILL)
+    def between_checkpoints(meta, ids):     # step 3 done, step 4's trees arriving, checkpoint 2 latest
+        return dict(ids=len(ids), steps=read_table(run.metrics, "steps")["step"].tolist()) \
+            if meta.step == 2 and len(ids) > 3 * per_step else None
 
-    threading.Thread(target=killer, daemon=True).start()
+    seen = kill_fleet_when(sup, run, between_checkpoints)
     result = sup.run_fleet()
     assert seen, "the fleet finished before a kill point was seen"
     assert result.status == "finished" and result.launches == 2
