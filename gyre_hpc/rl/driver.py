@@ -26,9 +26,10 @@ dealing micro-batches. A step:
    + 1), new weights to every engine, step and run rows to ``metrics.h5``, checkpoint.
 
 Exactly-once trees across a kill: the checkpoint records how many committed trees the model
-has trained on (``trained_upto``). A relaunch trains the step after the checkpoint; trees of
-that step already in the store (committed before the kill) are read back instead of being
-rolled out again, and runs not in the store resume from their journals.
+has trained on (``trained_upto``). A relaunch trains the steps after the checkpoint; trees of
+those steps already in the store (committed before the kill) are read back instead of being
+rolled out again, and runs not in the store resume from their journals. Step and run rows
+are written when a checkpoint seals their step, so a redone step has one row.
 """
 from __future__ import annotations
 
@@ -156,6 +157,7 @@ class StepState:
     done_by: dict[int, list[MicroBatchRef]] = field(default_factory=dict)       # rank -> trained this step
     losses: dict[int, float] = field(default_factory=dict)                   # mb id -> loss
     gaps: dict[int, LogprobGap] = field(default_factory=dict)                # mb id -> its logprob gap
+    store_end: int = 0          # one past the highest store index of this step's trees
     trained_tokens: int = 0
     next_mb: int = 0
     groups_done: set[int] = field(default_factory=set)
@@ -340,6 +342,7 @@ class RLStepDriver:
         mbs = group_micro_batches(trees, st.step, st.next_mb, tc.row_tokens, tc.micro_batch_tokens,
                                   tc.shared_targets, tc.averaging, tc.group_forest)
         st.next_mb += len(mbs)
+        st.store_end = max([st.store_end, *(i + 1 for i in indices)])
         st.pending.extend(group_refs(indices, mbs))
         st.groups_changed = True
         tokens, runs = self._run_tokens
@@ -658,7 +661,11 @@ class RLStepDriver:
             self.fleet.policy_version = version
             if self.fleet.verify_weights:
                 checksums = {r: rep.checksum for r, rep in reps.items()}
-        self.trained_upto = len(self.store)
+        # The store index past this step's own trees, not the store's length: a relaunch that
+        # redoes several steps finds the later steps' committed trees still ahead of it (a kill
+        # between checkpoints, train.checkpoint_every > 1) and reuses them instead of rolling
+        # those runs out again and committing them twice.
+        self.trained_upto = max(self.trained_upto, st.store_end)
         recomputed = self.transport.recomputed_prefill_tokens
         recomputed, self._recomputed_mark = recomputed - self._recomputed_mark, recomputed
         rewards = [o.tree.reward for o in outs]
