@@ -80,8 +80,28 @@ class LauncherContract:
         assert handle.poll() is None
         assert handle.wait(120) == 75
 
+    def launch_sleeping(self, tmp_path):
+        """A world whose ranks all sleep. Open MPI over PMIx in a het step has been seen here to
+        segfault a rank inside MPI_Init, before the world formed (once in ~15 short het steps;
+        the supervisor relaunches such a fleet). That startup crash is not what this test is
+        about, so such a launch is made once more, and only such a one: a world that formed
+        (any rank wrote its report) and then died still fails the test."""
+        for attempt in (1, 2):
+            handle, plan, out = self.launch(tmp_path / f"attempt{attempt}", "--sleep", "300")
+            deadline = time.monotonic() + 60
+            while handle.poll() is None and time.monotonic() < deadline and \
+                    len(list(out.glob("sleeping-*"))) < plan.world_size:
+                time.sleep(0.1)
+            log = Path(handle.log_path).read_text()
+            crashed_at_start = (handle.poll() is not None and not list(out.glob("rank-*.json"))
+                                and "Segmentation fault" in log)
+            if attempt == 1 and crashed_at_start:
+                print(f"launch 1 crashed inside MPI startup (rc {handle.poll()}), launching again:\n{log[-1500:]}")
+                continue
+            return handle, plan, out
+
     def test_kill_ends_every_rank(self, tmp_path):
-        handle, plan, out = self.launch(tmp_path, "--sleep", "300")
+        handle, plan, out = self.launch_sleeping(tmp_path)
         self._wait_files(out, "sleeping-*", plan.world_size, handle)
         t0 = time.monotonic()
         rc = handle.kill()
