@@ -296,6 +296,13 @@ class SlurmHandle(FleetHandle):
         """The watchdog killed srun after its step had gone."""
         return self._orphan_code is not None
 
+    @property
+    def tasks_reported(self) -> int:
+        """Task exits srun has logged for this launch so far (all of them: the code is the
+        tasks' own, whatever srun did afterwards)."""
+        self._tasks_code()
+        return len(self._exits)
+
     def _tasks_code(self) -> int | None:
         """The step's exit code from srun's task exit notifications so far (None: not all in, or
         no log or task count to read them against)."""

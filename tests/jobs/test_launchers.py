@@ -266,8 +266,14 @@ def test_het_steps_report_their_tasks_code_through_srun_hangs(tmp_path):
     for i in range(12):
         handle = SlurmLauncher().launch(plan, [sys.executable, PROBE, str(tmp_path / f"out{i}"), "--exit-code", "75"],
                                         log_path=tmp_path / "fleet.log")   # one log, appended to
-        got.append((handle.wait(120), handle.orphaned))
-    assert {rc for rc, _ in got} == {75}, got
+        got.append((handle.wait(120), handle.orphaned, handle.tasks_reported))
+    # srun 22.05 can also die in a double free before it has logged every task's exit (seen in
+    # CI: after 2 of 3); that launch's code is then srun's own (134), which the supervisor
+    # treats as a failed fleet and relaunches. Every launch whose tasks all reported, hung srun
+    # or not, must give the tasks' code, and such launches must be nearly all of them.
+    complete = [(rc, orphaned) for rc, orphaned, n in got if n == plan.world_size]
+    assert {rc for rc, _ in complete} == {75} and len(complete) >= 10, got
+    assert all(rc in (134, 137) for rc, _, n in got if n < plan.world_size), got   # srun's own death
 
 
 _HEAD_THAT_DIES = r'''
