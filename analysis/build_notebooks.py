@@ -3,7 +3,8 @@
 The notebooks are generated so their code stays reviewable as Python here, and so every
 notebook shares one setup cell: where the runs are (``GYRE_RUNS``, one run directory per
 policy, e.g. ``gyre-hpc sim --out``), where a run with ``trees.zarr`` is
-(``GYRE_TREES_RUN``), the sweep JSON (``GYRE_SWEEP``), and where figures go
+(``GYRE_TREES_RUN``), the sweep and sensitivity JSON (``GYRE_SWEEP``,
+``GYRE_SENSITIVITY``: ``gyre-hpc sim --sensitivity --json``), and where figures go
 (``GYRE_FIGURES``, default ``analysis/figures/``). With nothing set, a small sample is made
 once under ``runs/analysis-sample`` (tiny simulated runs, a tiny sweep, synthetic trees).
 """
@@ -32,6 +33,7 @@ if not all(os.environ.get(k) for k in ("GYRE_RUNS", "GYRE_TREES_RUN", "GYRE_SWEE
 RUNS = pathlib.Path(os.environ.get("GYRE_RUNS", SAMPLE / "runs"))
 TREES_RUN = pathlib.Path(os.environ.get("GYRE_TREES_RUN", SAMPLE / "synthetic_trees"))
 SWEEP = pathlib.Path(os.environ.get("GYRE_SWEEP", SAMPLE / "sweep.json"))
+SENSITIVITY = pathlib.Path(os.environ.get("GYRE_SENSITIVITY", SAMPLE / "sensitivity.json"))
 FIGURES = pathlib.Path(os.environ.get("GYRE_FIGURES", "figures"))
 FIGURES.mkdir(parents=True, exist_ok=True)
 '''
@@ -62,6 +64,21 @@ for name, run in runs.items():
 '''),
         ("code", '''\
 print({name: int(run.timeline.sizes["row"]) for name, run in runs.items()})'''),
+        ("md", "## A paced run beside the simulator\nWith `GYRE_PACED_RUN` set to a paced run "
+               "(`cells.device: paced`, e.g. `DIR/elastic-0` of `gyre-hpc bench e2e --regime paper-local "
+               "--out DIR`): its Gantt, whose durations are EMULATED, above the simulator's of the same "
+               "regime, scheduler and measured run shape (`gyre_hpc.bench.regime.simulated_twin`)."),
+        ("code", '''\
+paced = os.environ.get("GYRE_PACED_RUN")
+if paced:
+    import tempfile
+    from gyre_hpc.bench.regime import simulated_twin
+    twin = simulated_twin(paced, pathlib.Path(tempfile.mkdtemp(prefix="gyre-twin-")) / "sim")
+    pair = {"paced run (EMULATED durations)": open_run(paced), "simulator, same regime": open_run(twin)}
+    figures.gantt(pair).savefig(FIGURES / "gantt_paced_vs_sim.png", dpi=80)
+    print({k: [round(float(x), 1) for x in r.steps["wall_s"].values] for k, r in pair.items()})
+else:
+    print("GYRE_PACED_RUN is not set: no paced run to draw beside the simulator")'''),
     ],
     "utilisation.ipynb": [
         ("md", "# Where the cell-time goes\nShare of all cell-seconds spent rolling out, training, switching, or idle, per policy."),
@@ -125,6 +142,23 @@ axes[0, 0].set_ylabel("elastic speedup"); axes[0, 0].legend(fontsize=7)
 fig.tight_layout()
 fig.savefig(FIGURES / "sweep.png", dpi=80)
 print(sweep["elastic_slower_than"])'''),
+        ("md", "## The band across the priors\n`gyre-hpc sim --sensitivity --json`: every prior at each end of its "
+               "range, several seeds, the fitted figure refit each time. Each dot is one variant's ratio (right of "
+               "the dashed line elastic is faster); the bar spans the band."),
+        ("code", '''\
+sens = json.loads(SENSITIVITY.read_text())
+names = sorted(sens["bands"]["ratios"])
+fig, ax = plt.subplots(figsize=(7, 0.6 * len(names) + 1))
+for i, name in enumerate(names):
+    vals = [r["ratios"][name] for r in sens["rows"] if name in r["ratios"]]
+    ax.plot(vals, [i] * len(vals), "o", alpha=0.4, ms=4)
+    ax.hlines(i, min(vals), max(vals), lw=2)
+ax.axvline(1.0, color="k", ls="--", lw=0.8)
+ax.set_yticks(range(len(names)), names); ax.set_xlabel("speedup (baseline hours / elastic hours)")
+ax.set_title(f"{sens['preset']}: {sens['variants']} variants, {sens['fitted']} refit each time", fontsize=9)
+fig.tight_layout()
+fig.savefig(FIGURES / "sensitivity.png", dpi=80)
+print(sens["worst"], sens["dominance"])'''),
     ],
 }
 

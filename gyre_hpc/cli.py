@@ -8,6 +8,8 @@ import importlib
 
 import click
 
+from gyre_hpc.bench import BENCHMARKS  # the table of names only; each benchmark loads when asked
+
 # name -> "module:click_command". A later part adds its subcommand here and nowhere else.
 COMMANDS = {
     "run": "gyre_hpc.jobs.cli:run",
@@ -15,7 +17,7 @@ COMMANDS = {
     "cluster": "gyre_hpc.jobs.cluster_cli:cluster",
     "inspect": "gyre_hpc.rundir.inspect:inspect",
     "report": "gyre_hpc.rundir.report:report",
-    "bench": "gyre_hpc.bench:bench",
+    "bench": "gyre_hpc.cli:bench",
     "sim": "gyre_hpc.sim.cli:sim",
     "warmstart": "gyre_hpc.warmstart.cli:warmstart",
 }
@@ -39,3 +41,8 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Slurm-native elastic RL for long-horizon LLM agents."""
+
+
+@click.group(cls=LazyGroup, lazy=BENCHMARKS)
+def bench() -> None:
+    """Measure a part against its baseline, in one run; `--json` for machine-readable output."""

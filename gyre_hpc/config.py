@@ -8,6 +8,7 @@ the others.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,45 @@ class _Section(BaseModel):
         return value
 
 
+class PaceConfig(_Section):
+    """The device a paced cell stands for (``cells.device: paced``): a named device of
+    ``gyre_hpc.devices.DEVICE_PRESETS`` with any of its engine and trainer fields set."""
+
+    preset: str = Field("paper-local", description="named device (gyre_hpc.devices.DEVICE_PRESETS)")
+    engine: dict[str, float] = Field(default_factory=dict, description="EngineModel fields over the preset's")
+    train: dict[str, float] = Field(default_factory=dict, description="TrainModel fields over the preset's")
+    # cell -> its device's speed against the model's (0.7: every duration / 0.7)
+    speed: dict[int, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _device_is_valid(self) -> "PaceConfig":
+        self.devices()
+        bad = {c: v for c, v in self.speed.items() if not v > 0}
+        if bad:
+            raise ValueError(f"speed {bad}: every speed must be > 0")
+        return self
+
+    def devices(self):
+        """(EngineModel, TrainModel) of the preset with this section's fields over it."""
+        import dataclasses
+        import typing
+
+        from gyre_hpc.devices import DeviceError, device_preset
+        try:
+            engine, train = device_preset(self.preset)
+            for name, model, fields in (("engine", engine, self.engine), ("train", train, self.train)):
+                valid = {f.name for f in dataclasses.fields(model)}
+                unknown = sorted(set(fields) - valid)
+                if unknown:
+                    raise ValueError(f"{name}: unknown field {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+            def typed(model, fields: dict[str, float]):   # the YAML numbers arrive as floats
+                hints = typing.get_type_hints(type(model))
+                return dataclasses.replace(model, **{k: int(v) if hints[k] is int else v for k, v in fields.items()})
+            return typed(engine, self.engine), typed(train, self.train)
+        except DeviceError as exc:
+            raise ValueError(str(exc)) from None
+
+
 class CellPlan(_Section):
     """How the fleet is carved into cells. Cell 0..count-1; one is the core cell."""
 
@@ -49,6 +89,10 @@ class CellPlan(_Section):
     mem_per_cell_mb: int = Field(0, ge=0, description="0 = Slurm default")
     initial_train: list[int] | None = Field(
         None, description="cells (besides core) that start in TRAIN; default: none")
+    # native: cells take what their compute takes. paced: an EMULATED device: engine steps
+    # and micro-batches end no earlier than the device model says (docs/sim.md, design 7).
+    device: Literal["native", "paced"] = "native"
+    pace: PaceConfig = Field(default_factory=PaceConfig)
 
     @model_validator(mode="after")
     def _plan_is_possible(self) -> "CellPlan":
@@ -60,6 +104,9 @@ class CellPlan(_Section):
                 raise ValueError(f"cells.{name} has {bad}: valid cell indices are 0..{self.count - 1}")
         if self.core in self.rollout_only:
             raise ValueError(f"cells.rollout_only contains the core cell {self.core}: the core cell always trains")
+        bad = [i for i in self.pace.speed if not 0 <= i < self.count]
+        if bad:
+            raise ValueError(f"cells.pace.speed has cells {bad}: valid cell indices are 0..{self.count - 1}")
         return self
 
 
@@ -102,6 +149,10 @@ class TrainConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     micro_batch_tokens: int = Field(4096, ge=16, le=1 << 30)
     row_tokens: int = Field(2048, ge=16, le=1 << 30)
+    # Micro-batches dealt ahead to a replica: 2 hides the controller's round trip between
+    # them; 1 lets a released cell join the running step sooner, since a flip queues behind
+    # what each replica holds (paced micro-batches of seconds: examples/paper-local.yaml).
+    micro_batches_in_hand: int = Field(2, ge=1, le=64)
     clip_eps: float = Field(0.2, gt=0)
     max_paths_per_run: int = Field(8, ge=1, le=1 << 20)
     attention: Literal["auto", "sdpa", "flex"] = "auto"
@@ -137,6 +188,10 @@ class RolloutConfig(_Section):
     max_delegations: int = Field(2, ge=0, description="sub-agents the main agent may start per run")
     subagent_turns: int = Field(4, ge=1, description="model calls a sub-agent gets (summaries excluded)")
     tool_output_bytes: int = Field(256, ge=1, description="tool result bytes shown to the model")
+    # Where no namespace jail can be made (not root, no unprivileged user namespaces), run
+    # model-written commands with rlimits only instead of refusing the run. Weaker: a setsid
+    # leftover can outlive its wall clock and the command sees the host's files.
+    allow_unconfined: bool = False
 
 
 class WarmstartConfig(_Section):
@@ -173,6 +228,10 @@ class SlurmConfig(_Section):
 class SuperviseConfig(_Section):
     max_relaunches: int = Field(3, ge=0, le=10_000, description="relaunches of a killed fleet step before failing")
     poll_s: float = Field(0.5, gt=0)
+    # The head renews a lease (control/head-alive) every poll; a fleet whose lease is older
+    # than this checkpoints and exits: the fleet dies with its head however the head died
+    # (SIGKILL included, on Slurm too), and a rerun then finds nothing running. 0: no lease.
+    head_lease_s: float = Field(60.0, ge=0)
 
 
 class WandbConfig(_Section):
@@ -191,13 +250,38 @@ class MetricsConfig(_Section):
     wandb: WandbConfig | None = Field(None, description="also log them to Weights & Biases (the `wandb` extra)")
 
 
+WorkloadName = Literal["substrate", "rl"]
+
+
+@dataclass(frozen=True)
+class WorkloadEntry:
+    """What the head knows of a workload: the processes it starts, never the code above ``cells``.
+
+    Entry points are argv tails after the interpreter (``python -m MODULE``): the head runs
+    them as processes and imports none of them, so ``jobs`` stays below the workloads."""
+    fleet: tuple[str, ...]                  # every rank of the fleet, followed by ``--run-dir RUN_DIR``
+    # The workload's check of a config before any rank starts (and what it resolves first, e.g.
+    # rl's warm-start checkpoint), followed by ``CONFIG --result FILE [--prepare build|lookup]``;
+    # None: nothing beyond this module's validation. See ``jobs.preflight``.
+    preflight: tuple[str, ...] | None = None
+    step_progress: bool = False             # the head shows its steps as they land (reward, loss rows)
+
+
+# The workload registry, the one list the head and the fleet agree on: ``workload:`` names a key
+# (``WorkloadName`` lists the same keys for pydantic's error; tests/test_config.py pins the two).
+WORKLOADS: dict[str, WorkloadEntry] = {
+    "substrate": WorkloadEntry(fleet=("-m", "gyre_hpc.substrate")),
+    "rl": WorkloadEntry(fleet=("-m", "gyre_hpc.rl"), preflight=("-m", "gyre_hpc.rl.preflight"), step_progress=True),
+}
+
+
 class RunConfig(_Section):
     name: str = "gyre"
     run_dir: str = "runs/gyre"
     launcher: Literal["local", "slurm"] = "local"
     # What the cells compute: "substrate" moves real tensors with a stand-in model (the
     # Slurm/MPI smoke tests); "rl" is the real thing: engines, harnesses, trees, training.
-    workload: Literal["substrate", "rl"] = "substrate"
+    workload: WorkloadName = "substrate"   # a key of WORKLOADS
     seed: int = 0
     cells: CellPlan = Field(default_factory=CellPlan)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -137,3 +137,31 @@ def test_top_p_outside_the_unit_interval_is_refused(value):
     with pytest.raises(ConfigError, match=re.escape("rollout.top_p")):
         build_config(overrides=[f"rollout.top_p={value}"])
     assert build_config(overrides=["rollout.top_p=0.9"]).rollout.top_p == 0.9
+
+
+def test_paced_cells_take_a_named_device_with_fields_over_it():
+    cfg = build_config({"cells": {"device": "paced", "pace": {"engine": {"single_seq_tokens_per_s": 10, "max_seqs": 4},
+                                                             "speed": {2: 0.7}}}})
+    engine, train = cfg.cells.pace.devices()
+    assert engine.single_seq_tokens_per_s == 10.0 and engine.max_seqs == 4 and train.tokens_per_s > 0
+    with pytest.raises(ConfigError, match=r"cells\.pace.*engine: unknown field speedy"):
+        build_config({"cells": {"pace": {"engine": {"speedy": 1}}}})
+    with pytest.raises(ConfigError, match=r"cells\.pace.*valid presets: paper-local"):
+        build_config({"cells": {"pace": {"preset": "h100"}}})
+    with pytest.raises(ConfigError, match=r"single_seq_tokens_per_s"):
+        build_config({"cells": {"pace": {"engine": {"single_seq_tokens_per_s": -1}}}})
+    with pytest.raises(ConfigError, match=r"cells\.pace\.speed has cells \[7\]"):
+        build_config({"cells": {"count": 3, "pace": {"speed": {7: 0.5}}}})
+    with pytest.raises(ConfigError, match="must be > 0"):
+        build_config({"cells": {"pace": {"speed": {1: 0}}}})
+
+
+def test_the_workload_registry_and_the_workload_field_name_the_same_workloads():
+    import typing
+
+    from gyre_hpc.config import WORKLOADS, WorkloadName
+
+    assert set(WORKLOADS) == set(typing.get_args(WorkloadName))
+    for name, entry in WORKLOADS.items():   # entry points are started as processes, never imported
+        assert entry.fleet[0] == "-m" and entry.fleet[1].startswith("gyre_hpc."), name
+        assert entry.preflight is None or entry.preflight[0] == "-m", name

@@ -99,3 +99,22 @@ def test_writer_waits_for_a_reader_in_its_own_process(tmp_path):
         w.event("after")
     t.join()
     assert list(read_table(path, "events")["event"]) == ["start", "after"]
+
+
+def test_reader_waits_out_a_writer_before_its_swmr_switch(tmp_path):
+    """A writer holds HDF5's lock exclusively from its open until ``swmr_mode = True``; the head
+    reopens the file for each event, so a reader polling a live run meets that window (CI:
+    BlockingIOError errno 11 polling ``events`` as a requeued head resumed). It must wait."""
+    path = tmp_path / "metrics.h5"
+    with MetricsWriter(path) as w:
+        w.event("start")
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time, h5py\n"
+                               "f = h5py.File(sys.argv[1], 'a', libver='latest')\nprint('held', flush=True)\n"
+                               "time.sleep(1.5)\nf.close()\n",
+                               str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    t0 = time.monotonic()
+    assert list(read_table(path, "events")["event"]) == ["start"]   # BlockingIOError without the wait
+    assert time.monotonic() - t0 > 0.5
+    holder.wait(10)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import click
 
-from gyre_hpc.bench import emit
+from gyre_hpc.report import emit
+from gyre_hpc.bench.repeats import environment_gaps, ratio_spread, spread, steady
 
 POLICIES = ("elastic", "colocate", "async")
 
@@ -98,14 +100,20 @@ def resolve_launcher(choice: str) -> tuple[str, list[str] | None]:
 def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
                launcher: str = "local", nodes: list[str] | None = None, name: str | None = None,
                workload: str = "easy-3turn") -> dict:
+    name = name or policy
+    return run_config(workload_config(root / name, policy, steps, seed, workload), timeout_s, launcher, nodes)
+
+
+def run_config(config: dict, timeout_s: float, launcher: str = "local", nodes: list[str] | None = None) -> dict:
+    """One fleet of ``config`` through the launcher, timed; its result and run directory."""
     from gyre_hpc.config import build_config
     from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher
     from gyre_hpc.jobs.plan import local_plan, plan_for_nodes
     from gyre_hpc.jobs.preflight import prepare_workload_config
     from gyre_hpc.rundir.layout import RunDir
 
-    name = name or policy
-    cfg = build_config({**workload_config(root / name, policy, steps, seed, workload), "launcher": launcher})
+    policy = config.get("name", "fleet")
+    cfg = build_config({**config, "launcher": launcher})
     # The warm start (``long``) is built once, before any timing, and found in its cache after.
     cfg = prepare_workload_config(cfg, build=True, log=lambda m: print(m, file=sys.stderr))
     run = RunDir.at(cfg.run_dir).make()
@@ -113,7 +121,11 @@ def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
     out = run.logs / "result.json"
     argv = [sys.executable, "-m", "gyre_hpc.bench.e2e", "--ranks", str(run.root), str(out)]
     if launcher == "slurm":
-        plan, runner = plan_for_nodes(cfg, nodes), SlurmLauncher(mpi=cfg.slurm.mpi)
+        # Cells that name their memory share nodes (one packed step, jobs.plan.FleetPlan.packed);
+        # otherwise each takes nodes of its own.
+        plan = local_plan(cfg)
+        plan = plan if plan.packed else plan_for_nodes(cfg, nodes)
+        runner = SlurmLauncher(mpi=cfg.slurm.mpi)
     else:
         plan, runner = local_plan(cfg), LocalLauncher()
     t0 = time.perf_counter()
@@ -128,18 +140,6 @@ def run_policy(root: Path, policy: str, steps: int, seed: int, timeout_s: float,
     if rc != 0 or not out.exists():
         raise click.ClickException(f"{policy}: the fleet exited {rc}; see {run.logs / 'fleet.log'}")
     return {"run_dir": str(run.root), "launch_wall_s": wall, "result": json.loads(out.read_text())}
-
-
-def steady(step_s: list[float]) -> list[float]:
-    """The steps a policy's steady rate is read from: without the first (imports, the first
-    sandbox start, allocator warm-up) and, from three steps on, without the last. Async
-    fills and drains a pipeline: its first step also rolls out part of the next, and its last
-    has no next step to roll out, so it is short by the work the others did ahead; a middle
-    step does both, as every step of a long run does. The same slice is used for every
-    policy and for the simulator's steps."""
-    if len(step_s) >= 3:
-        return step_s[1:-1]
-    return step_s[1:] if len(step_s) > 1 else step_s
 
 
 def slowest_run_share(runs: dict, steps: dict) -> float | None:
@@ -174,27 +174,13 @@ def summarize(policy: str, got: dict) -> dict:
         "busy": {k: round(v, 3) for k, v in fractions.items()},
         "slowest_run_share": share,
         "flips": len(res["flips"]),
-        "requests_moved": res["migrations"],
+        "requests_moved": res["totals"]["migrations"],
         "restarts": sum(s["restarts"] for s in res["steps"]),
-        "recomputed_prefill_tokens": res.get("recomputed_prefill_tokens", 0),
+        "recomputed_prefill_tokens": res["totals"].get("recomputed_prefill_tokens", 0),
         "reward_mean": [round(s["reward_mean"], 3) for s in res["steps"]],
         "optimizer_s": round(statistics.fmean(s["optimizer_s"] for s in res["steps"]), 4),
         "weight_sync_s": round(statistics.fmean(s["weight_sync_s"] for s in res["steps"]), 4),
     }
-
-
-def spread(values: list[float]) -> dict:
-    """Mean, min, max and the relative spread of one policy's repeats."""
-    mean = statistics.fmean(values)
-    return {"steady_step_s": [round(v, 3) for v in values], "mean": round(mean, 3), "min": round(min(values), 3),
-            "max": round(max(values), 3), "spread": round((max(values) - min(values)) / mean, 3) if mean else None}
-
-
-def ratio_spread(baseline: list[float], elastic: list[float]) -> dict:
-    """baseline / elastic step time: of the means, and the lowest and highest over repeat pairs."""
-    pairs = [b / e for b, e in zip(baseline, elastic)]
-    return {"of_means": round(statistics.fmean(baseline) / statistics.fmean(elastic), 3),
-            "min": round(min(pairs), 3), "max": round(max(pairs), 3)}
 
 
 def saturation(load_before: float, load_after: float) -> dict:
@@ -236,8 +222,6 @@ def simulate(reps: dict[str, list[dict]], all_summaries: dict[str, list[dict]], 
     workload is measured on each policy's first repeat, tool times on every repeat; each
     forecast is set against the mean of its policy's repeats (what a forecast predicts is the
     expected step, not one draw), with the error against each repeat beside it."""
-    from gyre_hpc.rundir.metrics import read_table
-
     runs = {p: r[0] for p, r in reps.items()}
     summaries = {p: s[0] for p, s in all_summaries.items()}
 
@@ -264,18 +248,12 @@ def simulate(reps: dict[str, list[dict]], all_summaries: dict[str, list[dict]], 
     overrides["decision_interval_s"] = interval_s
     # Environment time measured directly: a run's wall time minus the time it waited on model
     # calls (queueing and decoding included), per call, over every policy's runs.
-    tool = []
-    for r in (r for rs in reps.values() for r in rs):
-        t = read_table(Path(r["run_dir"]) / "metrics.h5", "runs")
-        # The simulator puts tool time between calls only (calls - 1 gaps); the run's final
-        # scoring is folded into those gaps so each run's total is kept.
-        ok = (t["calls"] > 1) & (t["status"] == "finished")
-        tool += ((t["wall_s"][ok] - t["model_s"][ok]) / (t["calls"][ok] - 1)).tolist()
+    tool = [x for rs in reps.values() for r in rs for x in environment_gaps(r["run_dir"])]
     if tool:
         overrides.setdefault("run", {})["tool_s"] = lognormal_fit(tool)
     w = override(preset("tiny"), overrides)
     out = {"measured_from": runs["elastic"]["run_dir"], "not_measured": measured["elastic"].not_measured,
-           "compared": ("mean time of the steady steps (bench.e2e.steady: not the first, not the last), "
+           "compared": ("mean time of the steady steps (bench.repeats.steady: not the first, not the last), "
                         "against the mean of the policy's repeats"), "policies": {}}
     for name in runs:
         r = sim_run(w, policy_for(w, name), name)
@@ -285,6 +263,11 @@ def simulate(reps: dict[str, list[dict]], all_summaries: dict[str, list[dict]], 
         out["policies"][name] = {"predicted_step_s": round(predicted, 3), "measured_step_s": round(real, 3),
                                  "error": round(abs(predicted - real) / real, 3),
                                  "error_per_repeat": [round(abs(predicted - x) / x, 3) for x in each]}
+    # Never only against the configured split: the simulator's best static split on the same
+    # measured workload, and elastic's forecast against it.
+    from gyre_hpc.sim.compare import tuned_async
+    tuned = tuned_async(w, sim_run(w, policy_for(w, "elastic"), "elastic"))
+    out["sim_tuned_async"] = {k: tuned[k] for k in ("train_cells", "total_h", "elastic_over_async_tuned")}
     errors = [p["error"] for p in out["policies"].values()]
     out["max_error"] = max(errors)
     out["within_15pct"] = max(errors) <= 0.15
@@ -292,9 +275,10 @@ def simulate(reps: dict[str, list[dict]], all_summaries: dict[str, list[dict]], 
 
 
 def ranks_main(run_dir: str, out: str) -> int:
-    from gyre_hpc.rl.fleet import RLFleetOptions, main_guarded
+    from gyre_hpc.cells.fleet import main_guarded
+    from gyre_hpc.rl.fleet import rl_options
 
-    return main_guarded(run_dir, RLFleetOptions(result_path=out))
+    return main_guarded(run_dir, rl_options(result_path=out))
 
 
 @click.command()
@@ -310,10 +294,17 @@ def ranks_main(run_dir: str, out: str) -> int:
 @click.option("--workload", type=click.Choice(WORKLOADS), default="long", show_default=True,
               help="long: the long-horizon suite of make run (examples/local.yaml), policy frozen; "
                    "easy-3turn: three calls per run and a lognormal tool wait (quick)")
+@click.option("--regime", type=click.Choice(["none", "paper-local"]), default="none", show_default=True,
+              help="paper-local: paced cells shaped like the paper (examples/paper-local.yaml; EMULATED "
+                   "durations): elastic, colocate, the simulator's best static split and its neighbours, "
+                   "elastic at staleness 1 (bench.regime); --workload and --policies do not apply")
 @click.option("--json", "as_json", is_flag=True)
 def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: float, launcher: str,
-            repeats: int, workload: str, as_json: bool) -> None:
+            repeats: int, workload: str, regime: str, as_json: bool) -> None:
     """Elastic vs colocate vs async on one real RL workload; the simulator's forecast beside it."""
+    if regime != "none":
+        regime_command(regime, steps, seed, out, timeout_s, launcher, repeats, as_json)
+        return
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
     if bad or "elastic" not in names:
@@ -351,6 +342,74 @@ def command(steps: int, seed: int, policies: str, out: str | None, timeout_s: fl
         "run_dirs": {p: [r["run_dir"] for r in rs] for p, rs in reps.items()},
     }
     emit(result, as_json)
+
+
+def crashed_at_start(run_dir: Path) -> bool:
+    """A fleet that died of a segfault before any step was written."""
+    from gyre_hpc.rundir.metrics import read_table
+
+    log = run_dir / "logs" / "fleet.log"
+    metrics = run_dir / "metrics.h5"
+    try:
+        steps = len(read_table(metrics, "steps")["step"]) if metrics.exists() else 0
+    except (OSError, KeyError):
+        steps = 0
+    return steps == 0 and log.exists() and "Segmentation fault" in log.read_text(errors="replace")
+
+
+def regime_command(regime: str, steps: int, seed: int, out: str | None, timeout_s: float, launcher: str,
+                   repeats: int, as_json: bool) -> None:
+    from gyre_hpc.bench import regime as rg
+
+    if repeats < 1:
+        raise click.BadParameter("--repeats must be >= 1", param_hint="--repeats")
+    root = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"gyre-{regime}-"))
+    launcher, nodes = resolve_launcher(launcher)
+    w0, _ = rg.sim_workload(regime, steps)
+    split = rg.best_split(w0)
+    names = rg.variants(split["train_cells"], w0.fleet.cells)
+    load_before = os.getloadavg()[0]
+    reps: dict[str, list[dict]] = {v.name: [] for v in names}
+    for k in range(repeats):
+        for v in names:
+            if k and not v.repeated:
+                continue
+            run_dir = root / f"{v.name}-{k}"
+            done = run_dir / "logs" / "result.json"
+            if done.is_file():     # a rerun with the same --out keeps what finished (a killed bench resumes)
+                reps[v.name].append({"run_dir": str(run_dir), "result": json.loads(done.read_text())})
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)     # a killed run's leftovers: run it afresh
+            print(f"[bench] {regime} {v.name} repeat {k + 1}/{repeats if v.repeated else 1}", file=sys.stderr)
+            cfg = rg.regime_config(regime, run_dir, v, steps, seed)
+            try:
+                reps[v.name].append(run_config(cfg, timeout_s, launcher, nodes))
+            except click.ClickException as exc:
+                if not crashed_at_start(run_dir):
+                    raise
+                # Open MPI over PMIx here sometimes segfaults a rank in its first collective
+                # (the supervisor relaunches such a fleet; so does this bench, once).
+                print(f"[bench] {v.name}: {exc.message}: a crash before the first step, launching again",
+                      file=sys.stderr)
+                shutil.move(str(run_dir), str(run_dir.with_name(run_dir.name + "-crashed")))
+                reps[v.name].append(run_config(cfg, timeout_s, launcher, nodes))
+    load_after = os.getloadavg()[0]
+    summaries = {v: [summarize(v, r) for r in rs] for v, rs in reps.items()}
+    paces = {v: [rg.overrun(r["run_dir"]) for r in rs] for v, rs in reps.items()}
+    w, meta = rg.sim_workload(regime, steps, measured_from=reps["elastic"][0]["run_dir"])
+    sim = {"best_split_searched": split, "predicted_step_s": rg.forecast(w, names),
+           "compared": "mean steady step (bench.repeats.steady) against the mean of the variant's repeats", **meta}
+    result = {"benchmark": "e2e", **rg.report(regime, names, summaries, sim, paces),
+              "launcher": ("slurm (local cluster, packed cells)" if launcher == "slurm" else "local (mpiexec)"),
+              "repeats": repeats, "steps": steps, "seed": seed,
+              "resources": saturation(load_before, load_after),
+              "run_dirs": {v: [r["run_dir"] for r in rs] for v, rs in reps.items()}}
+    emit(result, as_json)
+    if not result["valid"]:
+        raise click.ClickException(
+            f"the emulation is not valid: the paced cells' real compute overran the device model in "
+            f"{result['overrun_share_max']:.1%} of their paced time (> {rg.MAX_OVERRUN:.0%}); slow the device "
+            f"(cells.pace) or give the machine fewer cells")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int) -
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20))
 def command(as_json: bool, preset: str, case_names: str, scale: float, repeats: int) -> None:
     """TorchEngine vs VLLMEngine vs raw vLLM: tokens/s and the adapter's overhead."""
-    from gyre_hpc.bench import emit
+    from gyre_hpc.report import emit
 
     unknown = [c for c in case_names.split(",") if c not in CASES]
     if unknown:

@@ -179,7 +179,7 @@ def _mpi_env() -> dict:
 @click.option("--worker", type=click.Path(dir_okay=False), hidden=True)
 def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: bool, worker: str | None) -> None:
     """KV migration of a mid-decode sequence vs re-prefill, at 1K/8K/32K tokens."""
-    from gyre_hpc.bench import emit
+    from gyre_hpc.report import emit
 
     try:
         ctx = [int(c) for c in contexts.split(",") if c.strip()]

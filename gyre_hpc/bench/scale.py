@@ -30,7 +30,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from gyre_hpc.bench import emit
+from gyre_hpc.report import emit
 
 FULL = {"calls": (50, 100, 200, 400), "whole": (8192, 16384, 32768, 65536), "chunked": (8192, 32768), "chunk": 4096}
 QUICK = {"calls": (8, 16, 32), "whole": (2048, 3584, 5120), "chunked": (3584, 5120), "chunk": 1024}
@@ -204,19 +204,22 @@ def _measure_train(tokens: int, chunk: int | None, preset: str, seed: int, queue
     })
 
 
-def _in_child(target, *args) -> dict:
-    """Run one measurement in a fresh process; its figures are also logged to stderr as they come."""
+def in_child(target, *args, label: str | None = None, timeout_s: float = 3600) -> dict:
+    """Run one measurement in a fresh process (``target(*args, queue)`` puts its figures on the
+    queue), so no measurement's heap or imports carry into the next; its figures are also
+    logged to stderr as they come. ``label`` names it in that line and in a failure."""
+    label = label or f"bench scale: {target.__name__}{args[:2]}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, queue))
     proc.start()
     try:
-        result = queue.get(timeout=3600)
+        result = queue.get(timeout=timeout_s)
     finally:
         proc.join()
     if proc.exitcode != 0:
-        raise click.ClickException(f"bench scale: {target.__name__}{args} exited with {proc.exitcode}")
-    click.echo(f"bench scale: {target.__name__}{args[:2]} {json.dumps(result, default=float)}", err=True)
+        raise click.ClickException(f"{label}: the measuring process exited with {proc.exitcode}")
+    click.echo(f"{label} {json.dumps(result, default=float)}", err=True)
     return result
 
 
@@ -272,13 +275,13 @@ def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str
     runs = []
     with tempfile.TemporaryDirectory(prefix="gyre-bench-scale-") as workdir:
         for n in calls:
-            run = _in_child(_measure_run, n, seed, workdir)
-            run.update(_in_child(_measure_load, str(Path(workdir) / f"run{n}.journal")))
+            run = in_child(_measure_run, n, seed, workdir)
+            run.update(in_child(_measure_load, str(Path(workdir) / f"run{n}.journal")))
             run["full_copy_mb"] = 4 * run["expanded_tokens"] / 2**20
             run["json_over_binary_bytes"] = run["json_journal_bytes"] / run["journal_bytes"]
             runs.append(run)
-    train = {"whole": [_in_child(_measure_train, t, None, preset, seed) for t in whole],
-             "chunked": [_in_child(_measure_train, t, chunk, preset, seed) for t in chunked]}
+    train = {"whole": [in_child(_measure_train, t, None, preset, seed) for t in whole],
+             "chunked": [in_child(_measure_train, t, chunk, preset, seed) for t in chunked]}
     for rows in train.values():
         _per_token(rows)
     run_names = ["journal_bytes", "json_journal_bytes", "journal_write_s", "journal_load_s", "harness_rss_mb",

@@ -8,7 +8,6 @@ store's guarantees cost.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -17,7 +16,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from gyre_hpc.bench import emit
+from gyre_hpc import fsio
+from gyre_hpc.report import emit
 from gyre_hpc.trees.model import ROLES, STATUSES, Tree
 
 
@@ -79,19 +79,11 @@ def synthetic_trees(n_runs: int, seed: int = 0) -> list[Tree]:
     return [build_tree(r.journal, run_id=r.run_id, task_id=r.task_id, reward=r.reward) for r in runs]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _store_append(path: Path, batches: list[list[Tree]], fsync: bool) -> float:
+def _store_append(path: Path, batches: list[list[Tree]], durable: bool) -> float:
     from gyre_hpc.trees.store import TreeStore
 
     t0 = time.perf_counter()
-    store = TreeStore.open(path, "a", fsync=fsync)
+    store = TreeStore.open(path, "a", durable=durable)
     for batch in batches:
         store.append(batch)
     store.close()
@@ -106,7 +98,7 @@ def _store_stream(path: Path) -> tuple[float, list[Tree]]:
     return time.perf_counter() - t0, trees
 
 
-def _numpy_append(path: Path, batches: list[list[Tree]], fsync: bool) -> float:
+def _numpy_append(path: Path, batches: list[list[Tree]], durable: bool) -> float:
     """Baseline: the same flat columns, one .npy per array per batch, fsynced like the store."""
     from gyre_hpc.trees.store_schema import flatten_trees
 
@@ -119,10 +111,10 @@ def _numpy_append(path: Path, batches: list[list[Tree]], fsync: bool) -> float:
         d.mkdir()
         for name, values in cols.items():
             np.save(d / f"{name}.npy", values, allow_pickle=values.dtype == object)
-        if fsync:
+        if durable:
             for name in cols:
-                _fsync(d / f"{name}.npy")
-            _fsync(d)
+                fsio.sync_path(d / f"{name}.npy")
+            fsio.sync_path(d)
         for tree in batch:
             base["tree"] += 1
             base["token"] += tree.n_tokens
@@ -130,8 +122,8 @@ def _numpy_append(path: Path, batches: list[list[Tree]], fsync: bool) -> float:
             base["call"] += tree.n_paths
             base["dropped"] += len(tree.dropped_calls)
             base["sample"] += int(tree.sample_token.size)
-    if fsync:
-        _fsync(path)
+    if durable:
+        fsio.sync_path(path)
     return time.perf_counter() - t0
 
 
@@ -165,18 +157,18 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _measure(batches: list[list[Tree]], trees: list[Tree], repeats: int, fsync: bool, tmp: Path) -> tuple[dict, dict]:
+def _measure(batches: list[list[Tree]], trees: list[Tree], repeats: int, durable: bool, tmp: Path) -> tuple[dict, dict]:
     timings: dict[str, list[float]] = {k: [] for k in ("store_append", "numpy_append", "store_stream", "numpy_stream")}
     sizes = {}
     for r in range(repeats):
         # Alternate which goes first so page-cache warmth favours neither.
         for kind in (("store", "numpy") if r % 2 == 0 else ("numpy", "store")):
-            path = tmp / f"{kind}-{r}-{fsync}"
+            path = tmp / f"{kind}-{r}-{durable}"
             if kind == "store":
-                timings["store_append"].append(_store_append(path, batches, fsync))
+                timings["store_append"].append(_store_append(path, batches, durable))
                 dt, got = _store_stream(path)
             else:
-                timings["numpy_append"].append(_numpy_append(path, batches, fsync))
+                timings["numpy_append"].append(_numpy_append(path, batches, durable))
                 dt, got = _numpy_stream(path)
             timings[f"{kind}_stream"].append(dt)
             _check_same(got, trees, kind)

@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 import yaml
 
-from gyre_hpc.bench import emit
+from gyre_hpc.report import emit
 
 
 def _raw_send_seconds(world, nbytes: int, src: int, dst: int, repeats: int) -> list[float]:
@@ -97,9 +97,10 @@ def ranks_main(run_dir: str, out: str, repeats: int = 3) -> int:
     """Every rank: baseline transfer, then the fleet; rank 0 writes the raw figures to ``out``."""
     from mpi4py import MPI
 
-    from gyre_hpc.cells.fleet import FleetOptions, run_fleet
+    from gyre_hpc.cells.fleet import run_fleet
     from gyre_hpc.cells.plan import core_cell, plan_cells
     from gyre_hpc.config import load_config
+    from gyre_hpc.substrate.fleet import substrate_options
 
     world = MPI.COMM_WORLD
     try:
@@ -112,7 +113,7 @@ def ranks_main(run_dir: str, out: str, repeats: int = 3) -> int:
         raw = world.bcast(raw, root=src)
         engines = [c.leader for c in cells if c.leader != src]
         sync = world.bcast(_engine_sync_seconds(world, nbytes, src, engines, 4 * repeats), root=src)
-        result = run_fleet(run_dir, FleetOptions(), world)
+        result = run_fleet(run_dir, substrate_options(), world)
     except BaseException:
         return _abort(world)
     if world.Get_rank() == 0:

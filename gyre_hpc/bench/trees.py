@@ -25,7 +25,7 @@ import time
 import click
 import numpy as np
 
-from gyre_hpc.bench import emit
+from gyre_hpc.report import emit
 
 
 def _rss_bytes() -> int:

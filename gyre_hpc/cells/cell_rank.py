@@ -1,10 +1,10 @@
 """One cell rank: the one serve loop that executes the controller's commands.
 
-A rank holds full weights (the substrate cells are data-parallel inside, too) and the
-communicators of ``comms``. Roles change only at a Flip command, which every rank of the
-world handles at the same point, so the Splits and the weight broadcast line up. The fleet
-commands (flip, checkpoint, stop, the substrate's rounds) are handled here; a workload's
-own commands (RL: serve the engine, train a micro-batch, finish the step) go to its
+A rank holds full weights and the communicators of ``comms``. Roles change only at a Flip
+command, which every rank of the world handles at the same point, so the Splits and the
+weight broadcast line up. The fleet's commands (flip, checkpoint, stop) are handled here,
+through the narrow ``rank_state.RankState``; a workload's own commands (RL: serve the
+engine, train a micro-batch, finish the step; the substrate: its rounds) go to its
 ``RankHandler``, which answers through ``reply`` like everything else.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from mpi4py import MPI
 
 from typing import Protocol
 
-from gyre_hpc.cells import comms, gradsync, protocol, weights
+from gyre_hpc.cells import comms, protocol, weights
 from gyre_hpc.cells.plan import Cell, cell_of_rank, core_cell, with_roles
-from gyre_hpc.cells.workload import Workload
+from gyre_hpc.cells.rank_state import RankState
 from gyre_hpc.sched.state import Role
 
 
@@ -33,12 +33,10 @@ class RankHandler(Protocol):
 class CellRank:
     world: MPI.Intracomm
     cells: tuple[Cell, ...]
-    workload: Workload
+    workload: RankState
     rank_comms: comms.RankComms
     chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
     handler: RankHandler | None = None
-    micro_batches_done: int = 0
-    tokens_done: int = 0
     _stop: int | None = field(default=None, init=False)
 
     @property
@@ -65,13 +63,6 @@ class CellRank:
     def handle(self, cmd):
         if isinstance(cmd, protocol.Flip):
             return self.flip(cmd)
-        if isinstance(cmd, protocol.BeginStep) or isinstance(cmd, protocol.AbortStep):
-            self._reset_accumulation()
-            return protocol.Ack(self.rank)
-        if isinstance(cmd, protocol.Round):
-            return self.round(cmd)
-        if isinstance(cmd, protocol.EndStep):
-            return self.end_step(cmd)
         if isinstance(cmd, protocol.SaveCheckpoint):
             if self.rank == core_cell(self.cells).leader:
                 self.workload.save(cmd.directory, cmd.extra)
@@ -82,11 +73,6 @@ class CellRank:
         if self.handler is not None:
             return self.handler.handle(self, cmd)
         raise TypeError(f"cell rank {self.rank}: unknown command {type(cmd).__name__}")
-
-    def _reset_accumulation(self) -> None:
-        self.workload.zero_grads()
-        self.micro_batches_done = 0
-        self.tokens_done = 0
 
     def flip(self, cmd: protocol.Flip) -> protocol.FlipReport:
         t0 = time.perf_counter()
@@ -121,7 +107,7 @@ class CellRank:
         if was_training != (self.cell.role is Role.TRAIN):
             # Joining or leaving mid-step: this rank's partial gradients are not part of the
             # step any more (the controller hands its micro-batches to the remaining replicas).
-            self._reset_accumulation()
+            self.workload.zero_grads()
         train = self.rank_comms.train
         members = tuple(comms.world_ranks_of(train, self.world)) if train is not None else None
         touched = any(c == self.cell.id for c, _ in cmd.changes) or self.rank == source
@@ -129,37 +115,3 @@ class CellRank:
         return protocol.FlipReport(rank=self.rank, cell=self.cell.id, seconds=time.perf_counter() - t0,
                                    comm_s=t_comm - t0, transfer_s=t_transfer - t_comm,
                                    bytes_in=received, train_members=members, checksum=checksum)
-
-    def round(self, cmd: protocol.Round) -> protocol.RoundReport:
-        t0 = time.perf_counter()
-        losses: dict[int, float] = {}
-        tokens = rollout_tokens = 0
-        if self.cell.role is Role.TRAIN:
-            for mb in cmd.assign.get(self.rank, ()):
-                res = self.workload.train_micro_batch(cmd.step, mb)
-                losses[mb] = res.loss
-                tokens += res.tokens
-            self.micro_batches_done += len(losses)
-            self.tokens_done += tokens
-        else:
-            rollout_tokens = self.workload.rollout(cmd.step, cmd.round)
-        return protocol.RoundReport(rank=self.rank, losses=losses, tokens=tokens,
-                                    rollout_tokens=rollout_tokens, seconds=time.perf_counter() - t0)
-
-    def end_step(self, cmd: protocol.EndStep) -> protocol.EndReport:
-        t0 = time.perf_counter()
-        if self.cell.role is Role.TRAIN:
-            grads = self.workload.grad_tensors()
-            n = self.micro_batches_done
-            if n:
-                for g in grads:
-                    g.div_(n)
-            stats = gradsync.allreduce_mean(grads, self.rank_comms.train, weight=float(n))
-            if int(round(stats.total_weight)) != cmd.micro_batches:
-                raise RuntimeError(f"step {cmd.step}: replicas trained {stats.total_weight:g} micro-batches, "
-                                   f"the controller planned {cmd.micro_batches}")
-            self.workload.apply_update(cmd.step)
-        self.micro_batches_done = 0
-        self.tokens_done = 0
-        checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums else None
-        return protocol.EndReport(rank=self.rank, seconds=time.perf_counter() - t0, checksum=checksum)

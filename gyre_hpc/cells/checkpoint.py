@@ -2,14 +2,14 @@
 
 Why the pointer is written last and atomically: the supervisor may kill the fleet at any
 moment; a reader that follows ``latest`` must only ever find a complete directory. So the
-directory is filled under a ``.tmp`` name, renamed into place, and only then does ``latest``
-(tmp file + ``os.replace``) name it. Leftover ``.tmp`` dirs from a killed writer are ignored
-and cleaned. The last ``keep`` complete checkpoints are kept.
+directory is filled under a ``.tmp`` name, made durable and renamed into place
+(``fsio.replace_dir``), and only then does ``latest`` (``fsio.write_text``) name it. Leftover
+``.tmp`` dirs from a killed writer are ignored and cleaned. The last ``keep`` complete
+checkpoints are kept.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from gyre_hpc import fsio
 
 STATE_FILE = "model.safetensors"
 META_FILE = "meta.json"
@@ -53,7 +55,9 @@ def staging_dir(root: Path, step: int) -> Path:
 def write_state(directory: Path, state: dict[str, torch.Tensor]) -> None:
     # safetensors refuses tensors that share storage or are not contiguous; clone what must be.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-    save_file(tensors, str(Path(directory) / STATE_FILE))
+    path = Path(directory) / STATE_FILE
+    with fsio.naming_full_disk(path):
+        save_file(tensors, str(path))
 
 
 def commit(root: Path, step: int, meta: CheckpointMeta, keep: int = 2) -> Path:
@@ -63,7 +67,7 @@ def commit(root: Path, step: int, meta: CheckpointMeta, keep: int = 2) -> Path:
     for name in meta.files:
         if not (tmp / name).is_file():
             raise CheckpointError(f"checkpoint {tmp}: {name} was not written; refusing to commit")
-    _write_atomic(tmp / META_FILE, json.dumps(asdict(meta), indent=2))
+    fsio.write_text(tmp / META_FILE, json.dumps(asdict(meta), indent=2))
     final = root / step_dir_name(step)
     current = latest_dir(root)
     if final.exists() and current is not None and current.resolve() == final.resolve():
@@ -72,21 +76,10 @@ def commit(root: Path, step: int, meta: CheckpointMeta, keep: int = 2) -> Path:
     else:
         # A dir latest does not name is from a writer killed before it repointed latest; the
         # relaunch reran that step, and its state is the one the fleet now continues from.
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    _write_atomic(root / LATEST, step_dir_name(step) + "\n")
+        fsio.replace_dir(tmp, final)
+    fsio.write_text(root / LATEST, step_dir_name(step) + "\n")
     prune(root, keep)
     return final
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def complete_dirs(root: Path) -> list[Path]:
@@ -101,6 +94,7 @@ def complete_dirs(root: Path) -> list[Path]:
 def prune(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints (never the one latest names) and drop stale tmp dirs."""
     root = Path(root)
+    fsio.recover_dirs(root)     # a step replaced by a writer killed between its renames
     current = latest_dir(root)
     dirs = complete_dirs(root)
     for old in dirs[:-keep] if keep > 0 else dirs:

@@ -4,8 +4,8 @@ The controller owns the messaging (every command owes a reply; a rank that stays
 ``reply_timeout_s`` fails the fleet, naming the rank and the command it owed), the cells'
 roles (asking the policy, flipping with re-derived communicators and the weight broadcast),
 checkpoints, the stop, and the loop over steps. What a step does is a workload's
-``StepDriver``: the substrate's rounds (``cells.substrate_driver``) or the RL workload's
-rollouts and streaming training (``gyre_hpc.rl.driver``), which registers itself from above.
+``StepDriver``: the substrate's rounds (``gyre_hpc.substrate.driver``) or the RL workload's
+rollouts and streaming training (``gyre_hpc.rl.driver``); both plug in from above.
 The controller is the only writer of ``metrics.h5`` while the fleet runs.
 """
 from __future__ import annotations
@@ -21,13 +21,11 @@ from mpi4py import MPI
 from gyre_hpc.cells import checkpoint, protocol
 from gyre_hpc.cells.plan import Cell, core_cell, train_ranks, with_roles
 from gyre_hpc.config import RunConfig
+from gyre_hpc.rundir.contract import EXIT_CHECKPOINTED, EXIT_DONE
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, TimelineRow
 from gyre_hpc.sched.state import ClusterState, Policy, Role, RoleChange
 
-EXIT_DONE = 0
-EXIT_CHECKPOINTED = 75
-CHECKPOINT_AND_EXIT = "checkpoint-and-exit"
 
 
 @dataclass(frozen=True)
@@ -49,17 +47,28 @@ class FlipRecord:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step driver returns for a step; a workload's own record adds its fields."""
+
+    step: int
+    wall_s: float
+    loss: float
+    train_cells: tuple[int, ...]
+    tokens: int
+    policy_version: int
+    checksums: dict[int, str] | None = None   # world rank -> state checksum after the step
+
+
 @dataclass
 class FleetResult:
     exit_code: int
     first_step: int
     last_completed: int
     flips: list[FlipRecord] = field(default_factory=list)
-    steps: list = field(default_factory=list)      # the driver's step records
+    steps: list[StepRecord] = field(default_factory=list)      # the driver's step records
     train_comm_checks: int = 0
-    migrations: int = 0                 # in-flight requests moved with their KV cache
-    recomputed_prefill_tokens: int = 0  # prompt tokens prefilled twice (0 unless a move recomputed)
-    cached_prompt_tokens: int = 0       # prompt tokens served from retained session contexts, not prefilled
+    totals: dict[str, int] = field(default_factory=dict)     # the workload's own counts over the launch
 
 
 class StepDriver(Protocol):
@@ -68,9 +77,9 @@ class StepDriver(Protocol):
     def begin(self) -> None:
         """Before the first step of this launch (e.g. open engines for requests)."""
 
-    def run_step(self, step: int):
-        """One step; its record (``wall_s``, ``loss``, ``train_cells``), or None when an exit
-        request interrupted it (nothing of the step is kept)."""
+    def run_step(self, step: int) -> StepRecord | None:
+        """One step; its record, or None when an exit request interrupted it (nothing of the
+        step is kept)."""
 
     def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
         """Called after the core cell wrote its state into ``staging``: extra files written
@@ -201,8 +210,26 @@ class Controller:
         t = time.monotonic()
         if not self._exit_requested and (now or t - self._last_control_check >= self.control_poll_s):
             self._last_control_check = t
-            self._exit_requested = (self.run.control / CHECKPOINT_AND_EXIT).exists()
+            self._exit_requested = self.run.exit_request.exists() or self.head_gone()
         return self._exit_requested
+
+    def head_gone(self) -> bool:
+        """The head's lease (``control/head-alive``) has not been renewed for
+        ``supervise.head_lease_s``: the head died however it died, and the fleet checkpoints
+        and exits instead of running on unsupervised. No lease file: no head (a fleet run by
+        hand or a test), nothing to watch."""
+        lease = self.cfg.supervise.head_lease_s
+        try:
+            age = time.time() - self.run.head_alive.stat().st_mtime
+        except OSError:
+            return False
+        if not lease or age <= lease:
+            return False
+        self.metrics.event("head_gone", step=self.result.last_completed,
+                           detail=f"the head's lease is {age:.0f}s old (> supervise.head_lease_s={lease:g}): "
+                                  f"checkpoint and exit")
+        print(f"[fleet] the head's lease is {age:.0f}s old: the head is gone; checkpointing and exiting", flush=True)
+        return True
 
     # ---- policy and flips ------------------------------------------------------------
     def cell(self, cid: int) -> Cell:
@@ -322,6 +349,6 @@ class Controller:
         # Asked to stop: seal the last completed step (a no-op if it was just checkpointed).
         if self.result.last_completed >= self.start_step:
             self.save_checkpoint(self.result.last_completed)
-        print(f"[fleet] {CHECKPOINT_AND_EXIT}: checkpointed step {self.result.last_completed}, exiting "
+        print(f"[fleet] {self.run.exit_request.name}: checkpointed step {self.result.last_completed}, exiting "
               f"{EXIT_CHECKPOINTED}", flush=True)
         return self.stop(EXIT_CHECKPOINTED)

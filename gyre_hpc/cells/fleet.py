@@ -21,13 +21,16 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
+from gyre_hpc import fsio
 from gyre_hpc.cells import checkpoint, comms, weights
 from gyre_hpc.cells.cell_rank import CellRank, RankHandler
 from gyre_hpc.cells.controller import Controller, FleetResult, StepDriver
 from gyre_hpc.cells.plan import CONTROLLER_RANK, core_cell, plan_cells, world_size
-from gyre_hpc.cells.substrate_driver import SubstrateDriver
-from gyre_hpc.cells.workload import SubstrateWorkload, Workload, load_into
+from gyre_hpc.cells.rank_state import RankState
+from gyre_hpc.cells.step_rows import restore_step_rows
 from gyre_hpc.config import ConfigError, RunConfig, load_config
+from gyre_hpc.rundir import disk_full
+from gyre_hpc.rundir.contract import EXIT_DISK_FULL
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, Mirrors, recover_unclosed
 from gyre_hpc.rundir.tensorboard import TensorBoardMirror, run_origin_s
@@ -58,41 +61,24 @@ class FleetStart:
 class FleetWorkload:
     """A workload as the fleet runs it; the fleet itself is the same for all.
 
-    ``rank_workload`` builds what a cell rank computes with (flips move its ``state_dict``,
-    checkpoints hold it); ``rank_handler`` answers the workload's own commands inside the one
-    serve loop; ``step_driver`` runs on the controller rank and drives each step through the
-    controller's messaging (it may enter contexts, e.g. open the tree store, on ``stack``).
-    A workload above ``cells`` (``gyre_hpc.rl``) builds one of these and starts the fleet with it.
+    ``rank_workload`` builds a cell rank's state (flips move its ``state_dict``, checkpoints
+    hold it); ``rank_handler`` answers the workload's own commands inside the one serve loop;
+    ``step_driver`` runs on the controller rank and drives each step through the controller's
+    messaging (it may enter contexts, e.g. open the tree store, on ``stack``). Each workload
+    above ``cells`` (``gyre_hpc.rl``, ``gyre_hpc.substrate``) builds one of these and starts
+    the fleet with it; ``cells`` knows none of them.
     """
 
     name: str
-    rank_workload: Callable[[RunConfig, int], Workload]
+    rank_workload: Callable[[RunConfig, int], RankState]
     step_driver: Callable[[Controller, FleetStart, contextlib.ExitStack], StepDriver]
     rank_handler: Callable[[FleetStart, CellRank], RankHandler | None] = lambda fs, cell_rank: None
     check: Callable[[RunConfig], None] | None = None
 
 
-def _substrate_workload(cfg: RunConfig, rank: int) -> Workload:
-    return SubstrateWorkload(cfg)
-
-
-def _substrate_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -> StepDriver:
-    return SubstrateDriver(ctl)
-
-
-def _check_substrate(cfg: RunConfig) -> None:
-    if cfg.workload != "substrate":
-        raise ConfigError(f"workload={cfg.workload!r}: `python -m gyre_hpc.cells` runs the substrate workload; "
-                          f"start the {cfg.workload} fleet with `python -m gyre_hpc.{cfg.workload}`")
-
-
-SUBSTRATE = FleetWorkload(name="substrate", rank_workload=_substrate_workload, step_driver=_substrate_driver,
-                          check=_check_substrate)
-
-
 @dataclass(frozen=True)
 class FleetOptions:
-    workload: FleetWorkload = SUBSTRATE
+    workload: FleetWorkload                 # what the fleet runs (``rl.fleet``, ``substrate.fleet``)
     policy: Policy | None = None            # None: the one cfg.scheduler names
     verify_weights: bool = False            # report state checksums on flips and steps (tests)
     chunk_bytes: int = weights.DEFAULT_CHUNK_BYTES
@@ -155,7 +141,7 @@ def open_fleet_metrics(run: RunDir, cfg: RunConfig) -> MetricsWriter:
     return metrics
 
 
-def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
+def run_fleet(run_dir: str | Path, options: FleetOptions,
               world: MPI.Intracomm = MPI.COMM_WORLD) -> FleetResult | int:
     """Run this rank's part; the controller returns the FleetResult, cell ranks their exit code."""
     wl = options.workload
@@ -166,6 +152,8 @@ def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
         policy = options.policy or resolve_policy(cfg)
         with contextlib.ExitStack() as stack:
             metrics = stack.enter_context(open_fleet_metrics(run, cfg))
+            if latest is not None:   # rows the latest checkpoint sealed that a kill kept out of metrics.h5
+                metrics.append(restore_step_rows(latest, run.metrics))
             start = fs.start_step
             ctl = Controller(world=world, cfg=cfg, run=run, cells=cells, policy=policy, metrics=metrics,
                              start_step=start, policy_version=meta.policy_version if meta else 0,
@@ -195,29 +183,36 @@ def run_fleet(run_dir: str | Path, options: FleetOptions = FleetOptions(),
     return cell_rank.serve()
 
 
-def guard_world(entry, label: str, world: MPI.Intracomm):
+def guard_world(entry, label: str, world: MPI.Intracomm, run_dir: str | Path | None = None):
     """Run ``entry()``; any exception on any rank ends the whole world.
 
     Why: a rank that dies alone leaves the others blocked in a collective forever, and the
-    supervisor would wait on a hung step instead of relaunching it.
+    supervisor would wait on a hung step instead of relaunching it. A write that found the
+    disk full (with ``run_dir`` known) is reported to the head (``rundir.disk_full``) and ends
+    the world with ``EXIT_DISK_FULL``: the head then stops instead of relaunching.
     """
     try:
         out = entry()
     except BaseException as exc:  # noqa: BLE001 - any failure must take the world down
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
+        code = 1
         sys.stderr.write(f"[{label} rank {world.Get_rank()}] fatal: {type(exc).__name__}: {exc}\n")
         traceback.print_exc(file=sys.stderr)
+        if run_dir is not None and fsio.is_disk_full(exc):
+            code = EXIT_DISK_FULL
+            message = disk_full.report(RunDir.at(run_dir), exc, world.Get_rank())
+            sys.stderr.write(f"[{label} rank {world.Get_rank()}] disk full, stopping the fleet: {message}\n")
         sys.stderr.flush()
-        world.Abort(1)
+        world.Abort(code)
         raise
     return out.exit_code if hasattr(out, "exit_code") else int(out)
 
 
-def main_guarded(run_dir: str | Path, options: FleetOptions = FleetOptions(),
+def main_guarded(run_dir: str | Path, options: FleetOptions,
                  world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     """run_fleet, with any exception on any rank ending the whole world."""
-    return guard_world(lambda: run_fleet(run_dir, options, world), "fleet", world)
+    return guard_world(lambda: run_fleet(run_dir, options, world), f"{options.workload.name} fleet", world, run_dir)
 
 
 # How long the controller waits, after MPI_Finalize, before it exits with a non-zero code.
@@ -245,12 +240,12 @@ def exit_rank(code: int, world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     return code
 
 
-def rank_main(prog: str, description: str, entry: Callable[[str], int], argv: list[str] | None = None) -> int:
-    """The command line of a fleet module (``python -m gyre_hpc.cells`` / ``gyre_hpc.rl``):
-    ``--run-dir``, then ``entry`` (a guarded run) and the clean exit of ``exit_rank``."""
+def rank_main(prog: str, description: str, options: FleetOptions, argv: list[str] | None = None) -> int:
+    """The command line of a workload's fleet module (``python -m gyre_hpc.rl``,
+    ``gyre_hpc.substrate``): ``--run-dir``, the guarded run, the clean exit of ``exit_rank``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
     args = parser.parse_args(argv)
-    return exit_rank(entry(args.run_dir))
+    return exit_rank(main_guarded(args.run_dir, options))

@@ -4,7 +4,7 @@ Small frozen dataclasses pickled over MPI point-to-point (they are tiny; bulk by
 with buffer-based collectives in ``weights``/``gradsync``). Every command owes exactly one
 reply (``Stop`` none), so the controller always knows the command was seen, the collectives
 that follow line up, and a silent rank is found by its reply timeout. Workloads add their
-own commands (``gyre_hpc.rl.messages``); they travel the same way and are answered by the
+own commands (``gyre_hpc.rl.messages``, ``gyre_hpc.substrate.messages``); they travel the same way and are answered by the
 workload's rank handler inside the one serve loop of ``cell_rank``.
 """
 from __future__ import annotations
@@ -27,30 +27,6 @@ class Flip:
     # Every cell's role before the flip. Engines that take no part in a flip keep decoding
     # and miss it; whichever Flip reaches them next brings their role table up to date.
     before: tuple[tuple[int, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class BeginStep:
-    step: int
-
-
-@dataclass(frozen=True)
-class Round:
-    step: int
-    round: int
-    assign: dict[int, tuple[int, ...]]     # world rank -> micro-batch ids (TRAIN ranks only)
-
-
-@dataclass(frozen=True)
-class AbortStep:
-    step: int
-
-
-@dataclass(frozen=True)
-class EndStep:
-    step: int
-    micro_batches: int
-    checksums: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,22 +53,6 @@ class FlipReport:
     transfer_s: float                       # of which: receiving (or sending) the weights
     bytes_in: int
     train_members: tuple[int, ...] | None   # world ranks of train_comm as this rank sees it
-    checksum: str | None = None
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    rank: int
-    losses: dict[int, float]                # micro-batch id -> loss
-    tokens: int
-    rollout_tokens: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class EndReport:
-    rank: int
-    seconds: float
     checksum: str | None = None
 
 

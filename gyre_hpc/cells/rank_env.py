@@ -1,6 +1,6 @@
 """Process environment a fleet rank needs before MPI and torch start.
 
-Called first thing by the rank entry points (``python -m gyre_hpc.cells``, the switch
+Called first thing by the rank entry points (``python -m gyre_hpc.substrate``, ``gyre_hpc.rl``, the switch
 benchmark's rank program), because both settings are read once, at MPI_Init and at torch's
 first large allocation. Values the user already set are left alone.
 """

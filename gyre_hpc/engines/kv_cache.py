@@ -74,7 +74,7 @@ class SlotKVCache:
         n, old_cap = self.n_rows, self.capacity
         # A multiple of the invariant kernels' key block (when the bound allows): their keys are
         # then a view of the buffer, never a padded copy.
-        capacity = max(capacity, min(self.max_tokens, -(-capacity // inv.KEY_BLOCK) * inv.KEY_BLOCK))
+        capacity = max(capacity, min(self.max_tokens, inv.key_blocks_span(capacity)))
         shape = (rows, self.n_kv_heads, capacity, self.head_dim)
         fresh = [[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
                  for _ in range(2)]
@@ -156,7 +156,7 @@ class SlotKVCache:
     def key_span(self, tokens: int) -> int:
         """Keys to read for ``tokens`` valid ones: rounded up to the invariant key block
         where the buffer holds that many (the rest is masked)."""
-        return min(self.capacity, -(-tokens // inv.KEY_BLOCK) * inv.KEY_BLOCK)
+        return min(self.capacity, inv.key_blocks_span(tokens))
 
 
 class PrefillAttention:

@@ -198,8 +198,9 @@ class _EngineServer:
         self.engine.wake()
 
     def op_stats(self, _):
+        pace = getattr(self.engine, "pace_record", None)
         return {"counters": self.engine.counters(), "load": self.engine.load(),
-                "sessions": self.engine.retained_sessions()}
+                "sessions": self.engine.retained_sessions(), "pace": pace() if pace else None}
 
     def op_stop(self, _):
         self.stopped = True

@@ -45,6 +45,7 @@ import torch
 from gyre_hpc.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
 from gyre_hpc.engines.kv_cache import SlotKVCache
 from gyre_hpc.engines.kv_state import KVLayout, KVState, generator_from_state, generator_state
+from gyre_hpc.engines.pacing import EnginePace
 from gyre_hpc.engines.requests import Output, Request, TokenEvent
 from gyre_hpc.engines.sampling import sample_token
 from gyre_hpc.models.tiny_lm import TinyLM
@@ -87,7 +88,7 @@ class _Staged:
 class TorchEngine(EngineBookkeeping, Engine):
     def __init__(self, model: TinyLM, name: str = "torch", *, version: int = 0, max_batch: int = 32,
                  prefill_chunk: int = 4096, max_prefill_tokens: int | None = None, seed: int = 0,
-                 max_retained_tokens: int = 1 << 18, invariant: bool = True):
+                 max_retained_tokens: int = 1 << 18, invariant: bool = True, pace: EnginePace | None = None):
         if max_batch < 1:
             raise ValueError(f"TorchEngine.max_batch={max_batch} must be >= 1")
         if prefill_chunk < 1:
@@ -102,6 +103,10 @@ class TorchEngine(EngineBookkeeping, Engine):
         # alone, in any batch, after a retained or migrated cache, in any prefill chunking, and
         # equal to the trainer's under model.numerics=invariant.
         self.invariant = invariant
+        # A paced engine (cells.device: paced): each step ends no earlier than the device
+        # model's duration for it, and admits no more than the model's KV holds.
+        self.pace = pace
+        self._step_prefills: list[tuple[int, int]] = []
         self.max_retained_tokens = max_retained_tokens
         # session -> (context tokens, per-layer token-major (k, v)); least recently used first.
         self._retained: OrderedDict[str, tuple[tuple[int, ...], tuple]] = OrderedDict()
@@ -118,8 +123,10 @@ class TorchEngine(EngineBookkeeping, Engine):
         n_kv_heads, head_dim = cache_heads(cfg)
         self._layout = KVLayout(cfg.n_layers, n_kv_heads, head_dim, str(dtype).removeprefix("torch."))
         self._device = next(model.parameters()).device
+        # One cache row per batch slot (the cache's own default of 32 rows had a 64-wide
+        # engine die at its 33rd sequence).
         self._cache = SlotKVCache(cfg.n_layers, n_kv_heads, head_dim, dtype, self._device,
-                                  max_tokens=cfg.max_position)
+                                  max_rows=max_batch, max_tokens=cfg.max_position)
         self._rows: list[_Sequence] = []   # the running sequences in cache-row order
         self._seed_source = torch.Generator().manual_seed(seed)
         self._queue: deque[_Sequence] = deque()
@@ -191,12 +198,40 @@ class TorchEngine(EngineBookkeeping, Engine):
 
     def step(self) -> list[TokenEvent]:
         self._check_usable("step")
+        # The step's prefills, for the pace; reset on every step, paced or not, or an unpaced
+        # engine keeps one record per model call for as long as it lives.
+        self._step_prefills = []
+        if self.pace is None:
+            return self._step()
+        started = self.pace.pacer.clock()
+        decoding = len(self._running)
+        kv = int(sum(self._cache.lengths)) if decoding else 0
+        events = self._step()
+        self.pace.pacer.hold(started, self.pace.step_s(decoding, kv, self._step_prefills))
+        return events
+
+    def pace_record(self) -> dict | None:
+        """The paced engine's record (emulated durations, overruns); None when native."""
+        return None if self.pace is None else self.pace.pacer.record.as_dict()
+
+    def _kv_room(self, need: int) -> bool:
+        """Whether the modelled KV holds ``need`` more tokens beside what is running (a
+        paced engine refuses what its device could not hold; an empty engine admits)."""
+        cap = self.pace.model.kv_capacity_tokens() if self.pace is not None else 0
+        return not cap or not self._running or int(sum(self._cache.lengths)) + need <= cap
+
+    def _admits(self, need: int) -> bool:
+        """Whether a sequence of ``need`` context tokens may take a slot now: a free batch
+        slot and room in the modelled KV (queued admission and a moved sequence alike)."""
+        return len(self._running) + (self._staged is not None) < self.max_batch and self._kv_room(need)
+
+    def _step(self) -> list[TokenEvent]:
         with torch.no_grad():
             events = self._decode() if self._running else []
             budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
             if self._staged is not None:
                 budget -= self._continue_staging(budget, events)
-            while self._queue and budget > 0 and len(self._running) + (self._staged is not None) < self.max_batch:
+            while self._queue and budget > 0 and self._admits(len(self._queue[0].context())):
                 seq = self._queue.popleft()
                 context = seq.context()
                 reuse, seq.reuse = seq.reuse or self._take_retained(seq, context), ()
@@ -241,6 +276,7 @@ class TorchEngine(EngineBookkeeping, Engine):
             logits = self.model(ids, pos, kv_cache=hook, invariant=self.invariant)
             hook.commit()
         self._c["prefill_tokens"] += end - start
+        self._step_prefills.append((end - start, start))
         return logits
 
     def _continue_staging(self, budget: float, events: list[TokenEvent]) -> int:
@@ -432,9 +468,11 @@ class TorchEngine(EngineBookkeeping, Engine):
         seq = _Sequence(state.request, state.seed, gen, min(state.policy_version, self._version),
                         migrations=state.migrations, tokens=list(state.token_ids), logprobs=list(state.logprobs))
         self._c["migrations_in"] += 1
-        if not state.prefilled or state.partial:
+        if not state.prefilled or state.partial or not self._admits(state.cached_len):
             # Prefilled at the next step (recompute states included); a partial prefill's KV
-            # is written into its row there and only the rest of its context runs.
+            # is written into its row there and only the rest of its context runs. A full
+            # engine (every slot, or the paced device's KV) queues a moved sequence with its
+            # whole KV: it takes the next free slot without recomputing anything.
             seq.reuse = tuple((k.to(self._device), v.to(self._device)) for k, v in state.kv)
             self._queue.append(seq)
             return

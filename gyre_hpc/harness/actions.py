@@ -55,7 +55,8 @@ def tool_call_json(tool: str, *args: str | bytes) -> str:
     return json.dumps({"name": tool, "arguments": dict(zip(names, values))}, ensure_ascii=False)
 
 
-def _marker_ids(tok: ChatTokenizer, marker: str) -> list[int]:
+def marker_ids(tok: ChatTokenizer, marker: str) -> list[int]:
+    """``<tool_call>`` or ``</tool_call>`` as ids: one special token where the vocabulary has it."""
     i = tok.token_id(marker)
     return [i] if i is not None else tok.encode(marker)
 
@@ -63,26 +64,30 @@ def _marker_ids(tok: ChatTokenizer, marker: str) -> list[int]:
 def format_action(tool: str, *args: str | bytes, tokenizer: ChatTokenizer | None = None) -> list[int]:
     """The token ids of a well-formed call: what a trained model should emit (scripts, tests)."""
     tok = tokenizer or embedded_tokenizer()
-    return _marker_ids(tok, TOOL_CALL_START) + tok.encode(tool_call_json(tool, *args)) + _marker_ids(tok, TOOL_CALL_END)
+    return marker_ids(tok, TOOL_CALL_START) + tok.encode(tool_call_json(tool, *args)) + marker_ids(tok, TOOL_CALL_END)
+
+
+def _loads(text: str):
+    """The JSON value of ``text``, or None for anything Python's json refuses: besides syntax
+    errors (JSONDecodeError) that is RecursionError past ~1000 nested levels and ValueError
+    for an integer of more than 4300 digits; a model writes all three (gyre-hpc bench fuzz)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _parse_call(text: str) -> Action | None:
     text = text.lstrip()
     if not text.startswith(TOOL_CALL_START) or TOOL_CALL_END not in text:
         return None
-    body = text[len(TOOL_CALL_START):text.index(TOOL_CALL_END)].strip()
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or call.get("name") not in TOOLS:
+    call = _loads(text[len(TOOL_CALL_START):text.index(TOOL_CALL_END)].strip())
+    # A name that is a list or an object is unhashable: `in TOOLS` would raise TypeError.
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in TOOLS:
         return None
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = _loads(arguments)
     if not isinstance(arguments, dict) or not all(isinstance(v, str) for v in arguments.values()):
         return None
     names, required = TOOLS[call["name"]]
@@ -91,7 +96,10 @@ def _parse_call(text: str) -> Action | None:
     given = [n for n in names if n in arguments]
     if given != list(names[:len(given)]) or len(given) < required:
         return None
-    return Action(call["name"], tuple(arguments[n].encode("utf-8") for n in given))
+    try:
+        return Action(call["name"], tuple(arguments[n].encode("utf-8") for n in given))
+    except UnicodeEncodeError:
+        return None   # a lone surrogate (JSON "\ud800") is not text: not a well-formed call
 
 
 def parse_action(output: Sequence[int], tokenizer: ChatTokenizer | None = None) -> Action:

@@ -21,6 +21,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_hpc.harness import beneath
+
 SANDBOX_EXEC = Path(__file__).with_name("sandbox_exec.py")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Root mode drops to a uid in this range, one per workspace, so concurrent runs each get
@@ -28,6 +30,11 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 SANDBOX_UID_BASE = 200_000
 SANDBOX_UID_SPAN = 100_000
 HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# The jail's spec (the command inside) is one argv string, and Linux refuses a string of
+# MAX_ARG_STRLEN (32 pages, 4 KiB ones here) or more with E2BIG. The spec is ASCII JSON,
+# where a non-ASCII character costs six bytes (\uXXXX): ~22K accented characters suffice.
+MAX_SPEC_BYTES = 32 * 4096 - 1
+QUOTA_POLL_S = 0.1   # how often a running command's workspace is measured against Limits.workspace_mb
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,11 @@ class Limits:
     cpu_s: int = 10
     address_space_mb: int = 1024
     file_size_mb: int = 8
+    # What the workspace may hold (allocated blocks of all its files). RLIMIT_FSIZE is per
+    # file; this bounds their sum, so a command cannot fill the run directory's disk: checked
+    # every ``QUOTA_POLL_S`` while a command runs (past it, the jail is killed) and before each
+    # file tool write. A command can overshoot by what it writes in one poll.
+    workspace_mb: int = 256
     nproc: int = 64
     nofile: int = 256
     output_bytes: int = 4096       # what the caller gets back
@@ -43,9 +55,14 @@ class Limits:
     # What of the host a jailed command sees, read-only (symlinks such as /bin -> usr/bin
     # are recreated as links). Nothing else is there: no /run, /var, /home, /tmp.
     host_paths: tuple[str, ...] = HOST_PATHS
+    # Run model-written commands even where no namespace jail can be made (``plain``: rlimits,
+    # a new session and a scrubbed env only: a setsid leftover can outlive the wall clock and
+    # the command sees the host's files). Off by default: refused with ConfinementError.
+    allow_unconfined: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile", "output_bytes"):
+        for name in ("wall_s", "cpu_s", "address_space_mb", "file_size_mb", "workspace_mb", "nproc", "nofile",
+                     "output_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name}={getattr(self, name)} must be > 0")
         for p in self.host_paths:
@@ -58,6 +75,30 @@ class Limits:
                                  f"/proc and /dev (the jail builds those itself)")
 
 
+class ConfinementError(RuntimeError):
+    """No jail can be made here and unconfined commands were not allowed; names the capability."""
+
+
+class CommandTooLong(ValueError):
+    """The command does not fit the one argument it travels in; says how long it is and may be."""
+
+
+UNCONFINED_REFUSED = (
+    "model-written commands need a jail (PID and mount namespaces), and this process can make none: it "
+    "is not root (uid {uid}) and the kernel refuses it a user namespace (unshare(CLONE_NEWUSER) failed; "
+    "see sysctl kernel.unprivileged_userns_clone, user.max_user_namespaces, or an AppArmor userns "
+    "restriction). Run as root, enable unprivileged user namespaces, or set rollout.allow_unconfined: "
+    "true to run them with rlimits only (a setsid leftover can then outlive its wall clock)")
+
+
+def check_confinement(allow_unconfined: bool = False) -> str:
+    """The isolation mode commands will run in; raises ConfinementError for ``plain`` unless allowed."""
+    mode = isolation_mode()
+    if mode == "plain" and not allow_unconfined:
+        raise ConfinementError(UNCONFINED_REFUSED.format(uid=os.geteuid()))
+    return mode
+
+
 @dataclass(frozen=True)
 class CommandResult:
     returncode: int | None      # None when the command was killed (timeout or output flood)
@@ -65,6 +106,8 @@ class CommandResult:
     timed_out: bool
     truncated: bool
     wall_s: float
+    over_quota_mb: float | None = None   # killed holding this much, past Limits.workspace_mb
+    quota_mb: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -77,6 +120,9 @@ class CommandResult:
             text += "\n[output truncated]"
         if self.timed_out:
             return text + "\n[killed: wall-clock timeout]"
+        if self.over_quota_mb is not None:
+            return text + (f"\n[killed: the workspace holds {self.over_quota_mb:.1f} MiB, past its quota of "
+                           f"{self.quota_mb} MiB; delete files to go on]")
         return text + ("" if self.returncode is None else f"\n[exit {self.returncode}]")
 
 
@@ -105,20 +151,30 @@ def sandbox_env(home: str) -> dict[str, str]:
 
 def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
                  stdin: bytes | None = None) -> CommandResult:
-    """Run ``sh -c command`` confined to ``workspace``; always returns, never raises for the command's sake."""
+    """Run ``sh -c command`` confined to ``workspace``; always returns for whatever the command
+    does (ConfinementError where no jail can be made and ``limits`` does not allow running
+    without one: never silently weaker; CommandTooLong before anything runs for a command
+    past ``MAX_SPEC_BYTES`` as JSON)."""
     ws = Path(workspace).resolve()
     if not ws.is_dir():
         raise FileNotFoundError(f"workspace {ws} is not a directory")
-    mode = isolation_mode()
+    mode = check_confinement(limits.allow_unconfined)
     home = str(ws) if mode == "plain" else "/tmp/workspace"
     pid_read, pid_write = os.pipe()
     spec = {"mode": mode, "workspace": str(ws), "command": command, "env": sandbox_env(home),
             "uid": sandbox_uid(ws), "host_paths": list(limits.host_paths), "pid_fd": pid_write,
             "limits": {k: getattr(limits, k) for k in ("cpu_s", "address_space_mb", "file_size_mb", "nproc", "nofile")}}
+    arg = json.dumps(spec)
+    if len(arg) > MAX_SPEC_BYTES:
+        os.close(pid_read)
+        os.close(pid_write)
+        raise CommandTooLong(f"the command is {len(command.encode('utf-8', 'surrogatepass'))} bytes, {len(arg)} as the "
+                             f"jail's JSON argument, past the kernel's limit of {MAX_SPEC_BYTES + 1} for one argument: "
+                             f"write it to a file and run that")
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(SANDBOX_EXEC), json.dumps(spec)],
+            [sys.executable, "-I", "-S", str(SANDBOX_EXEC), arg],
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             env={"PATH": SANDBOX_PATH}, cwd=str(ws), close_fds=True, pass_fds=(pid_write,))
@@ -136,13 +192,30 @@ def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
     try:
         if stdin is not None:
             threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
-        output, truncated, killed = _collect(proc, jail, start + limits.wall_s, limits)
+        output, truncated, killed = _collect(proc, jail, start + limits.wall_s, limits, ws)
     finally:
         jail.kill()   # whatever happened above, nothing of the jail outlives this call
         jail.close()
     timed_out = killed == "timeout"
     rc = None if killed else proc.returncode
-    return CommandResult(rc, output, timed_out, truncated, time.monotonic() - start)
+    over = workspace_bytes(ws) / (1 << 20) if killed == "quota" else None
+    return CommandResult(rc, output, timed_out, truncated, time.monotonic() - start, over,
+                         limits.workspace_mb if over is not None else None)
+
+
+def workspace_bytes(workspace: str | Path) -> int:
+    """Bytes the workspace's entries occupy on disk (allocated blocks: a sparse file counts
+    what it really holds); walked by fd (``beneath.walk``), so a hostile tree costs bounded time."""
+    fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    total = os.fstat(fd).st_blocks * 512
+    try:
+        for _, st, _, _ in beneath.walk(fd):
+            total += st.st_blocks * 512
+    except (RuntimeError, OSError):
+        pass    # a tree changing under the walk: what was counted so far
+    finally:
+        os.close(fd)
+    return total
 
 
 @dataclass
@@ -203,12 +276,15 @@ def _kill_group(proc: subprocess.Popen, jail: "_JailInit") -> None:
         pass
 
 
-def _collect(proc: subprocess.Popen, jail: "_JailInit", deadline: float,
-             limits: Limits) -> tuple[bytes, bool, str | None]:
-    """Read output until exit, the deadline or a flood; kill the group on the latter two."""
+def _collect(proc: subprocess.Popen, jail: "_JailInit", deadline: float, limits: Limits,
+             workspace: Path) -> tuple[bytes, bool, str | None]:
+    """Read output until exit, the deadline, a flood or a workspace past its quota; kill the
+    group on the latter three."""
     kept = bytearray()
     seen = 0
     killed: str | None = None
+    quota = limits.workspace_mb * (1 << 20)
+    next_measure = time.monotonic() + QUOTA_POLL_S
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     fd = proc.stdout.fileno()
@@ -219,7 +295,13 @@ def _collect(proc: subprocess.Popen, jail: "_JailInit", deadline: float,
                 killed = "timeout"
                 _kill_group(proc, jail)
                 break
-            if not sel.select(timeout=min(remaining, 0.5)):
+            if time.monotonic() >= next_measure:
+                next_measure = time.monotonic() + QUOTA_POLL_S
+                if workspace_bytes(workspace) > quota:
+                    killed = "quota"
+                    _kill_group(proc, jail)
+                    break
+            if not sel.select(timeout=min(remaining, QUOTA_POLL_S)):
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -233,13 +315,18 @@ def _collect(proc: subprocess.Popen, jail: "_JailInit", deadline: float,
                 break
     finally:
         sel.close()
-    if killed is None:
-        # EOF is not exit: a command may close its output and keep running.
+    while killed is None:
+        # EOF is not exit: a command may close its output and keep running (and writing).
         try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            proc.wait(timeout=max(min(deadline - time.monotonic(), QUOTA_POLL_S), 0))
+            break
         except subprocess.TimeoutExpired:
-            killed = "timeout"
-            _kill_group(proc, jail)
+            if time.monotonic() >= deadline:
+                killed = "timeout"
+            elif workspace_bytes(workspace) > quota:
+                killed = "quota"
+            if killed:
+                _kill_group(proc, jail)
     proc.wait()
     # The group may outlive its leader (plain mode: a background child); nothing of it stays.
     _kill_group(proc, jail)

@@ -1,6 +1,6 @@
 """Adapt an engine (``submit``/``step``/``pop_finished``) to the harness's ModelClient.
 
-One ``EngineDriver`` owns one engine on the event loop's thread: runs submit requests as
+One ``EngineCalls`` owns one engine on the event loop's thread: runs submit requests as
 they await, and a single pump task steps the engine while any request waits, so the
 requests of all concurrent runs decode in one continuous batch. Stepping happens on the
 loop's thread (engines are not thread-safe); the pump yields between steps so runs can
@@ -8,7 +8,7 @@ submit. Each run gets its own ``RunClient`` whose sampling seed for a call deriv
 run's seed and the prompt itself, so a run's samples do not depend on how runs interleave
 or on a resume (a replayed run asks for the same seeds), and G runs of one task (same first
 prompt, different run seeds) explore differently.
-The driver assumes it is the engine's only user: finished outputs nobody waits for (a run
+It assumes it is the engine's only user: finished outputs nobody waits for (a run
 that timed out) are dropped.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gyre_hpc.engines.requests import Output, Request, SamplingParams
 from gyre_hpc.harness.client import Completion
 
 
-class EngineDriver:
+class EngineCalls:
     def __init__(self, engine: Engine, temperature: float = 1.0, top_p: float = 1.0) -> None:
         self.engine = engine
         self.temperature = temperature
@@ -71,8 +71,8 @@ class EngineDriver:
 class RunClient:
     """The ModelClient one run uses; a call's seed is a hash of (run seed, prompt)."""
 
-    def __init__(self, driver: EngineDriver, run_seed: int) -> None:
-        self.driver = driver
+    def __init__(self, calls: EngineCalls, run_seed: int) -> None:
+        self.source = calls
         self.run_seed = run_seed
 
     def seed_for(self, prompt: Sequence[int]) -> int:
@@ -83,5 +83,5 @@ class RunClient:
     async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], *,
                        agent: str = "main") -> Completion:
         seed = self.seed_for(prompt)
-        out = await self.driver.generate(prompt, max_new_tokens, stop, seed)
+        out = await self.source.generate(prompt, max_new_tokens, stop, seed)
         return Completion(tuple(out.token_ids), tuple(out.logprobs), out.policy_version)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gyre_hpc import fsio
 from gyre_hpc.harness.context import TokenContext, common_prefix
 from gyre_hpc.trees.model import ROLE_CODE, ROLES, STATUSES, ModelCall
 
@@ -211,6 +212,7 @@ class JournalWriter:
         w = cls(p, open(p, "wb"))
         w._fh.write(MAGIC)
         w._append(RUN, json.dumps({"run_id": run_id, "task_id": task_id, "format": FORMAT}).encode())
+        fsio.sync_path(p.parent)   # the new file's name, or power loss could lose the whole journal
         return w
 
     @classmethod
@@ -225,9 +227,9 @@ class JournalWriter:
         return cls(state.path, fh, state.calls)
 
     def _append(self, kind: int, payload: bytes) -> None:
-        self._fh.write(_frame(kind, payload))
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        with fsio.naming_full_disk(self.path):
+            self._fh.write(_frame(kind, payload))
+            fsio.sync_file(self._fh)
 
     def _remember(self, call: ModelCall) -> None:
         # prompt and output side by side without a copy when they are views of one buffer

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gyre_hpc import fsio
 from gyre_hpc.harness.actions import Action, parse_action
 from gyre_hpc.harness.client import Completion, ModelClient
 from gyre_hpc.harness.confine import Limits
@@ -82,6 +83,10 @@ class HarnessConfig:
                       run_timeout_s=rollout.run_timeout_s, max_retries=rollout.max_retries,
                       max_delegations=rollout.max_delegations, subagent_turns=rollout.subagent_turns,
                       tool_output_bytes=rollout.tool_output_bytes)
+        if rollout.allow_unconfined:
+            base = cls()
+            fields["command_limits"] = replace(base.command_limits, allow_unconfined=True)
+            fields["check_limits"] = replace(base.check_limits, allow_unconfined=True)
         return cls(**{**fields, **overrides})
 
 
@@ -181,6 +186,8 @@ class AgentRun:
             self.writer.close()
             raise
         except Exception as exc:  # noqa: BLE001 - a failed run is still scored and journaled
+            if fsio.is_disk_full(exc):
+                raise   # the journal's disk, not the run: the fleet stops (tools report their own)
             status, error = "failed", f"{type(exc).__name__}: {exc}"
         # Scored from the workspace as it is, whatever the status: partial progress counts.
         try:

@@ -19,11 +19,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gyre_hpc.harness import beneath
-from gyre_hpc.harness.confine import CommandResult, Limits, run_confined
+from gyre_hpc.harness.confine import CommandResult, CommandTooLong, Limits, run_confined, workspace_bytes
 
 
 class ToolError(Exception):
     """A tool refused or failed; the message goes back to the model verbatim."""
+
+
+def _shown(name: str) -> str:
+    """A file name as the model sees it: bytes that are not UTF-8 (``os.listdir`` hands them
+    over as lone surrogates, which no encoder of the tool result accepts) become U+FFFD."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 @dataclass
@@ -94,13 +100,23 @@ class Workspace:
             size = st.st_size if append else 0
             if size + len(data) > limit:
                 raise ToolError(f"{path!r} would exceed the file size limit of {limit} bytes")
+            quota = self.limits.workspace_mb * (1 << 20)
+            held = workspace_bytes(self.root) - (0 if append else st.st_blocks * 512)
+            if held + len(data) > quota:
+                raise ToolError(f"writing {path!r} would take the workspace past its quota of "
+                                f"{self.limits.workspace_mb} MiB (it holds {held / (1 << 20):.1f} MiB); delete files first")
             if append:
                 os.lseek(fd, 0, os.SEEK_END)
             else:
                 os.ftruncate(fd, 0)
             view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise ToolError(f"cannot write {path!r}: {exc.strerror} (the disk is full)") from None
         return len(data)
 
     def list(self, path: str = ".") -> list[str]:
@@ -110,7 +126,7 @@ class Workspace:
             prefix = posixpath.normpath(path.strip())
             prefix = "" if prefix == "." else prefix + "/"
             try:
-                found = [prefix + rel for rel, st, _, _ in beneath.walk(fd) if not stat.S_ISDIR(st.st_mode)]
+                found = [prefix + _shown(rel) for rel, st, _, _ in beneath.walk(fd) if not stat.S_ISDIR(st.st_mode)]
             except RuntimeError as exc:
                 raise ToolError(f"cannot list {path!r}: {exc}") from None
         return sorted(found)[: self.max_list_entries]
@@ -119,4 +135,7 @@ class Workspace:
         limits = self.limits
         if wall_s is not None and wall_s < limits.wall_s:
             limits = replace(limits, wall_s=max(wall_s, 0.05))
-        return run_confined(command, self.root, limits)
+        try:
+            return run_confined(command, self.root, limits)
+        except CommandTooLong as exc:
+            raise ToolError(str(exc)) from None

@@ -7,25 +7,22 @@ from pathlib import Path
 
 import click
 
-from gyre_hpc.config import ConfigError, RunConfig, load_config
+from gyre_hpc.config import WORKLOADS, ConfigError, RunConfig, load_config
 
 _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                            help="override a config field, e.g. --set cells.count=4 (repeatable)")
 
 
 def _load(config: str, overrides: tuple[str, ...]) -> RunConfig:
-    """The config, also checked against the workload's registries: refused before anything starts."""
-    from gyre_hpc.jobs.preflight import check_workload_config
-
     try:
-        cfg = load_config(config, list(overrides))
-        check_workload_config(cfg)
-        return cfg
+        return load_config(config, list(overrides))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 
 
 def _prepare(cfg: RunConfig, build: bool) -> RunConfig:
+    """The config checked by its workload (refused before anything starts) and with what the
+    workload resolves before launch (``jobs.preflight``)."""
     from gyre_hpc.jobs.preflight import prepare_workload_config
 
     try:
@@ -44,7 +41,7 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
 
     cfg = _load(config, overrides)
     cfg = _prepare(cfg, build=True)
-    if cfg.workload == "rl":
+    if WORKLOADS[cfg.workload].step_progress:
         from gyre_hpc.jobs.progress import progress_display
         with progress_display(cfg):
             result = run_head(cfg)
@@ -57,7 +54,7 @@ def run(config: str, overrides: tuple[str, ...]) -> None:
         if path.exists():
             click.echo(f"  {label:<12} {path}")
     click.echo(f"summary: gyre-hpc inspect {run_dir.root}")
-    if cfg.workload == "rl":
+    if WORKLOADS[cfg.workload].step_progress:
         from gyre_hpc.jobs.progress import notebook_hint
         hint = notebook_hint(run_dir.root)
         if hint:

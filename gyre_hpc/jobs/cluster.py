@@ -36,6 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gyre_hpc import fsio
+
 DEFAULT_STATE_DIR = "/tmp/gyre-cluster"
 SYSTEM_CONF_DIR = Path("/etc/slurm")
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -222,9 +224,7 @@ def install_conf(name: str, text: str, conf_dir: Path = SYSTEM_CONF_DIR) -> Path
             f"{target} exists and was not written by gyre-hpc; refusing to overwrite a real cluster's "
             "config. Move it aside to use the local test cluster.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".gyre-tmp")
-    tmp.write_text(text)
-    os.replace(tmp, target)
+    fsio.write_text(target, text)
     return target
 
 
@@ -360,10 +360,10 @@ def _start(spec: ClusterSpec, wait_s: float) -> UpResult:
         for name in spec.node_names:
             state.daemons.append(_spawn(f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name],
                                         d / "log" / f"slurmd-{name}.out"))
-        (d / "pids.json").write_text(state.to_json())
+        fsio.write_text(d / "pids.json", state.to_json())
         nodes = _wait_idle(spec, wait_s)
     except BaseException:
-        (d / "pids.json").write_text(state.to_json())
+        fsio.write_text(d / "pids.json", state.to_json())
         _stop(state)
         raise
     return UpResult(started=True, nodes=nodes, state=state)

@@ -20,7 +20,7 @@ import signal
 import sys
 from typing import Mapping
 
-from gyre_hpc.config import ConfigError, RunConfig, load_config
+from gyre_hpc.config import WORKLOADS, ConfigError, RunConfig, load_config
 from gyre_hpc.jobs import plan as fleet_plan
 from gyre_hpc.jobs.launchers import expand_nodelist, launcher_for
 from gyre_hpc.jobs.supervisor import Supervisor, SupervisorResult, requeue_slurm_job
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if cfg.workload != "rl":
+        if not WORKLOADS[cfg.workload].step_progress:
             return run_head(cfg).exit_code
         # A batch job's output file: one line per step as it lands, beside the supervisor's.
         from gyre_hpc.jobs.progress import progress_display

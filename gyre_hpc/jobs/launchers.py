@@ -428,10 +428,20 @@ class SlurmLauncher(Launcher):
         groups = plan.het_groups
         if groups is not None:
             return cmd + [f"--het-group={','.join(map(str, groups))}", *argv]
+        if plan.packed:
+            # Slurm gives each component of a het job nodes of its own, so a fleet of more cells
+            # than nodes cannot be a het step; one step of world-size tasks in rank order (block
+            # distribution: rank r is the r-th task) lets Slurm pack cells onto shared nodes.
+            comp = plan.components[0]
+            return cmd + ["--ntasks", str(plan.world_size), "--cpus-per-task", str(comp.cpus_per_task),
+                          "--mem-per-cpu", f"{max(1, comp.mem_mb // comp.cpus_per_task)}M",
+                          "--distribution=block", *argv]
         for i, comp in enumerate(plan.components):
             if i:
                 cmd.append(":")
             block = ["--ntasks", str(comp.ntasks), "--cpus-per-task", str(comp.cpus_per_task)]
+            if comp.mem_mb:
+                block += ["--mem", f"{comp.mem_mb}M"]
             if comp.nodes:
                 block += ["--nodes", str(len(comp.nodes)), "--nodelist", ",".join(comp.nodes)]
             else:
@@ -448,6 +458,12 @@ class SlurmLauncher(Launcher):
             for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK",
                         "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
                 run_env.pop(var, None)
+        if plan.packed:
+            # Open MPI names a node's shared-memory (vader) segments by host name and local
+            # rank; virtual nodes of one host (the local cluster) then map each other's
+            # segments and ranks segfault in their first collective (seen: 3 launches in 3).
+            # A packed fleet's ranks talk over TCP unless the user chose the transports.
+            run_env.setdefault("OMPI_MCA_btl", "self,tcp")
         command = self.command(plan, argv)
         offset = Path(log_path).stat().st_size if log_path is not None and Path(log_path).exists() else 0
         return SlurmHandle(_popen(command, log_path, run_env, cwd), command, log_path,

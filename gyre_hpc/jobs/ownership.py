@@ -8,7 +8,8 @@ Why each check:
   however the head dies (so a stale lock file is never a problem), names its holder;
 - ``live_fleet``: the lock dies with a SIGKILLed head, its fleet may not (a Slurm step, a
   local fleet still tearing down). A new head "recovering" ``metrics.h5`` under live ranks
-  loses their rows, so it refuses while any process of this directory's fleet lives;
+  loses their rows, so it refuses while any process of this directory's fleet lives (after
+  ``reap_stray_sruns``: an srun client whose step Slurm has ended runs nothing);
 - ``config_changes``: a directory holds one run. Resuming with another suite or lr mixes
   two experiments in one store without a trace; only changes a resume is meant to allow
   (more steps, how it is supervised and where it runs) pass.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre_hpc.config import RunConfig
+from gyre_hpc import fsio
+from gyre_hpc.config import WORKLOADS, RunConfig
 from gyre_hpc.rundir.layout import RunDir
 
 # What a resume may change: sections that say how and where the run is carried out, not what it
@@ -56,8 +59,14 @@ class HeadLock:
             raise RunDirInUse(f"run directory {run.root} is in use by another head ({holder}); "
                               f"wait for it, stop it, or use --set run_dir=<another directory>") from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        try:
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        except OSError as exc:
+            # The lock holds without the line; the supervisor's first write reports the full disk.
+            if not fsio.is_disk_full(exc):
+                os.close(fd)
+                raise
         return cls(run.head_lock, fd)
 
     def release(self) -> None:
@@ -76,38 +85,68 @@ def _cmdline(pid: int) -> list[str] | None:
 
 
 def _is_fleet_of(argv: list[str], root: str) -> bool:
-    from gyre_hpc.jobs.supervisor import FLEET_MODULES   # every workload's fleet module (rl: gyre_hpc.rl)
-
-    modules = set(FLEET_MODULES.values())
+    fleets = [list(entry.fleet) for entry in WORKLOADS.values()]   # every workload's (-m gyre_hpc.rl)
+    starts_a_fleet = any(argv[i:i + len(f)] == f for f in fleets for i in range(len(argv)))
     for i, arg in enumerate(argv[:-1]):
-        if arg == "--run-dir" and os.path.realpath(argv[i + 1]) == root and modules.intersection(argv):
+        if arg == "--run-dir" and os.path.realpath(argv[i + 1]) == root and starts_a_fleet:
             return True
     return False
 
 
-def live_fleet(run: RunDir) -> list[str]:
-    """What still runs of this directory's fleet: local processes (launcher, guard, ranks) by
-    pid, and the Slurm step the last head recorded, if Slurm still lists it."""
-    root = str(run.root)
+def fleet_pids(run_dir: str | Path) -> list[tuple[int, list[str]]]:
+    """This host's processes of the directory's fleet (launcher, guard, ranks), with their argv."""
+    root = os.path.realpath(run_dir)
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             argv = _cmdline(int(entry))
             if argv and _is_fleet_of(argv, root):
-                found.append(f"pid {entry} ({' '.join(argv)[:120]})")
-    info_path = run.logs / "fleet.json"
+                found.append((int(entry), argv))
+    return found
+
+
+def _recorded_step(run: RunDir) -> str | None:
     try:
-        info = json.loads(info_path.read_text())
+        return json.loads((run.logs / "fleet.json").read_text()).get("step_id")
     except (OSError, ValueError):
-        info = {}
-    step = info.get("step_id")
-    if step:
-        try:
-            out = subprocess.run(["scontrol", "show", "step", str(step)], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            out = None
-        if out is not None and out.returncode == 0 and f"StepId={step}" in out.stdout:
-            found.append(f"Slurm step {step}")
+        return None
+
+
+def _step_listed(step: str) -> bool:
+    try:
+        out = subprocess.run(["scontrol", "show", "step", str(step)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and f"StepId={step}" in out.stdout
+
+
+def reap_stray_sruns(run: RunDir) -> list[str]:
+    """SIGKILL this directory's ``srun`` clients once Slurm no longer lists the step they
+    launched; what was killed. Seen (bench chaos): a head SIGKILLed inside its batch job, the
+    job ended and its step with it, and the srun client stayed behind for good, hung in its
+    teardown with nothing under it, so every rerun was refused for a fleet that was gone.
+    A live step keeps its srun; the ranks themselves are never touched here."""
+    step = _recorded_step(run)
+    if step is not None and _step_listed(step):
+        return []
+    reaped = []
+    for pid, argv in fleet_pids(run.root):
+        if Path(argv[0]).name == "srun":
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            reaped.append(f"pid {pid} (srun of ended step {step})")
+    return reaped
+
+
+def live_fleet(run: RunDir) -> list[str]:
+    """What still runs of this directory's fleet: local processes (launcher, guard, ranks) by
+    pid, and the Slurm step the last head recorded, if Slurm still lists it."""
+    found = [f"pid {pid} ({' '.join(argv)[:120]})" for pid, argv in fleet_pids(run.root)]
+    step = _recorded_step(run)
+    if step and _step_listed(step):
+        found.append(f"Slurm step {step}")
     return found
 
 

@@ -25,6 +25,9 @@ class Component:
     nodes: tuple[str, ...] = ()  # () = wherever the launcher puts it (local, or srun's own choice)
     cpus_per_task: int = 1
     nnodes: int = 1              # node count when ``nodes`` is empty
+    # Memory a node gives this block (srun --mem); 0 = Slurm's default, which is the whole
+    # node where no DefMemPerNode is set, so then one block takes a node.
+    mem_mb: int = 0
     het_group: int | None = None  # set when the component is a het group of the surrounding job
 
 
@@ -44,6 +47,14 @@ class FleetPlan:
             return tuple(groups)  # type: ignore[arg-type]
         return None
 
+    @property
+    def packed(self) -> bool:
+        """Blocks that may share nodes: placed by Slurm (no node lists, one node each), all of
+        one shape, each with its memory named (a block without it takes a whole node)."""
+        comps = self.components
+        return (all(not c.nodes and c.het_group is None and c.nnodes == 1 and c.mem_mb for c in comps)
+                and len({(c.cpus_per_task, c.mem_mb) for c in comps}) == 1)
+
     def ranks_of(self, name: str) -> range:
         first = 0
         for c in self.components:
@@ -55,13 +66,14 @@ class FleetPlan:
 
 def _cell_components(cfg: RunConfig, nodes_of_cell) -> list[Component]:
     return [Component(name=f"cell{c}", ntasks=cfg.cells.ranks_per_cell, nodes=nodes_of_cell(c),
-                      cpus_per_task=cfg.cells.cpus_per_rank, nnodes=cfg.cells.nodes_per_cell)
+                      cpus_per_task=cfg.cells.cpus_per_rank, nnodes=cfg.cells.nodes_per_cell,
+                      mem_mb=cfg.cells.mem_per_cell_mb)
             for c in range(cfg.cells.count)]
 
 
 def local_plan(cfg: RunConfig) -> FleetPlan:
     """No placement: every rank on this machine under ``mpiexec``, or where ``srun`` puts it."""
-    head = Component(name="controller", ntasks=1, cpus_per_task=1)
+    head = Component(name="controller", ntasks=1, cpus_per_task=1, mem_mb=cfg.cells.mem_per_cell_mb)
     return FleetPlan((head, *_cell_components(cfg, lambda c: ())))
 
 
@@ -75,7 +87,7 @@ def plan_for_nodes(cfg: RunConfig, nodes: list[str]) -> FleetPlan:
     npc = cfg.cells.nodes_per_cell
     need = cfg.cells.count * npc
     cell_nodes = nodes[1:1 + need] if len(nodes) > need else nodes[:need]
-    head = Component(name="controller", ntasks=1, nodes=(nodes[0],), cpus_per_task=1)
+    head = Component(name="controller", ntasks=1, nodes=(nodes[0],), cpus_per_task=1, mem_mb=cfg.cells.mem_per_cell_mb)
     cells = _cell_components(cfg, lambda c: tuple(cell_nodes[c * npc:(c + 1) * npc]))
     return FleetPlan((head, *cells))
 

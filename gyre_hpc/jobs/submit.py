@@ -113,10 +113,11 @@ def submit(cfg: RunConfig, folder: str | Path | None = None, spare_head_node: bo
     return ex.submit(HeadJob(cfg.to_yaml()))
 
 
-_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+ENDED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
-def _scontrol_state(job_id: str) -> str | None:
+def job_state(job_id: str) -> str | None:
+    """The job's state as ``scontrol`` shows it (no accounting needed); None once it forgot the job."""
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20)
     m = re.search(r"JobState=(\S+)", out.stdout) if out.returncode == 0 else None
     return m.group(1) if m else None
@@ -136,7 +137,7 @@ def wait_for_result(job: submitit.Job, timeout_s: float | None = None, poll_s: f
     while deadline is None or time.monotonic() < deadline:
         if job.paths.result_pickle.exists():
             return job.task(0).result()
-        if _scontrol_state(job.job_id) in _ENDED:
+        if job_state(job.job_id) in ENDED_STATES:
             ended_at = ended_at or time.monotonic()
             if time.monotonic() - ended_at > grace_s:
                 log = job.paths.stdout.read_text()[-3000:] if job.paths.stdout.exists() else "(no log)"

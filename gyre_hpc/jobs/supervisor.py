@@ -4,6 +4,8 @@ It is not an MPI rank. It owns three decisions:
 
 - a fleet that fails (killed step, lost node, crash) is relaunched from the last checkpoint,
   up to ``supervise.max_relaunches`` times, then the run fails with a message naming the log;
+  a fleet that found the run directory's disk full (``rundir.disk_full``) is not relaunched:
+  the run stops at once naming the file and the space, and resumes once space is freed;
 - a stop request (USR2 before the time limit, SIGTERM, Ctrl-C, or submitit's checkpoint call)
   becomes ``control/checkpoint-and-exit``; the fleet checkpoints and exits 75;
 - after a drained stop it requeues the Slurm job when asked to (USR2), so the next start
@@ -26,17 +28,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gyre_hpc import fsio
 from gyre_hpc.jobs.preflight import check_workload_config
-from gyre_hpc.config import ConfigError, RunConfig, load_config
+from gyre_hpc.config import WORKLOADS, ConfigError, RunConfig, load_config
 from gyre_hpc.jobs.launchers import FleetHandle, Launcher, LaunchError
-from gyre_hpc.jobs.ownership import HeadLock, RunDirInUse, check_rerun, live_fleet
+from gyre_hpc.jobs.ownership import HeadLock, RunDirInUse, check_rerun, live_fleet, reap_stray_sruns
 from gyre_hpc.jobs.plan import FleetPlan
+from gyre_hpc.rundir import disk_full
+from gyre_hpc.rundir.contract import EXIT_CHECKPOINTED, EXIT_DISK_FULL, EXIT_DONE
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, read_table, recover_unclosed
 
-EXIT_DONE = 0
-EXIT_CHECKPOINTED = 75
-CHECKPOINT_AND_EXIT = "checkpoint-and-exit"
 TERM_WAIT_S = 2.0  # how long a SIGTERM'd head waits for the fleet before recording the stop
 
 
@@ -67,15 +69,12 @@ def latest_checkpoint_step(run: RunDir) -> int | None:
     return None if latest is None else checkpoint.read_meta(latest).step
 
 
-# The module each workload's fleet ranks run (``python -m MODULE --run-dir``). Named, not
-# imported: the head job starts the fleet and never imports the workloads above ``cells``.
-FLEET_MODULES = {"substrate": "gyre_hpc.cells", "rl": "gyre_hpc.rl"}
-
-
 def fleet_argv(run: RunDir, python: str = sys.executable, workload: str = "substrate") -> list[str]:
-    if workload not in FLEET_MODULES:
-        raise ValueError(f"workload={workload!r}: valid workloads are {sorted(FLEET_MODULES)}")
-    return [python, "-m", FLEET_MODULES[workload], "--run-dir", str(run.root)]
+    """What every rank runs: the workload's fleet entry point (``config.WORKLOADS``), started as a
+    process; the head never imports the workloads above ``cells``."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r}: valid workloads are {sorted(WORKLOADS)}")
+    return [python, *WORKLOADS[workload].fleet, "--run-dir", str(run.root)]
 
 
 def requeue_slurm_job(job_id: str) -> None:
@@ -113,18 +112,18 @@ class Supervisor:
         """Ask the fleet to checkpoint and exit; the first request decides whether to requeue."""
         if self.stop is None:
             self.stop = StopRequest(reason=reason, requeue=requeue)
-        (self.run.control / CHECKPOINT_AND_EXIT).touch()
+        self.run.exit_request.touch()
 
     # -- the loop ------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Write the resolved config and clear a stop request left by the previous start."""
+        """Write the resolved config, set the disk-full reserve aside and clear a stop request
+        left by the previous start (``DiskFullError`` if the disk is still full)."""
         self.run.make()
         resolved = self.cfg.model_copy(update={"run_dir": str(self.run.root)})
-        tmp = self.run.config.with_name("config.yaml.tmp")
-        tmp.write_text(resolved.to_yaml())
-        os.replace(tmp, self.run.config)
-        flag = self.run.control / CHECKPOINT_AND_EXIT
+        fsio.write_text(self.run.config, resolved.to_yaml())
+        disk_full.set_aside(self.run)
+        flag = self.run.exit_request
         step = latest_checkpoint_step(self.run)
         if step is not None:
             flag.unlink(missing_ok=True)
@@ -137,7 +136,7 @@ class Supervisor:
     def run_fleet(self) -> SupervisorResult:
         """Own the run directory (see ``ownership``) for as long as the fleet is supervised."""
         try:
-            check_workload_config(self.cfg)
+            check_workload_config(self.cfg, log=self.log)
         except ConfigError as exc:
             return self._refuse(f"invalid config: {exc}")
         try:
@@ -145,6 +144,8 @@ class Supervisor:
         except RunDirInUse as exc:
             return self._refuse(str(exc))
         try:
+            for stray in reap_stray_sruns(self.run):
+                self.log(f"killed a stray srun client of an ended step: {stray}")
             alive = live_fleet(self.run)
             if alive:
                 return self._refuse(f"an earlier fleet of {self.run.root} is still running: {'; '.join(alive)}; "
@@ -172,7 +173,10 @@ class Supervisor:
         return SupervisorResult("refused", 2, 0, None, message)
 
     def _supervise(self) -> SupervisorResult:
-        self.prepare()
+        try:
+            self.prepare()
+        except fsio.DiskFullError as exc:
+            return self._disk_full(str(exc), latest_checkpoint_step(self.run), before_launch=True)
         failures: list[str] = []
         while True:
             if self.stop is not None:
@@ -182,6 +186,7 @@ class Supervisor:
             self.event(kind, -1 if step is None else step,
                        f"attempt {self.launches + 1} via {self.launcher.name}, world {self.plan.world_size}")
             log_path = self.run.logs / f"fleet-{int(time.time())}-{self.launches + 1}.log"
+            self.renew_lease()   # before launch: a lease an earlier head left behind is stale
             try:
                 self.handle = self.launcher.launch(self.plan, self.argv, log_path=log_path, cwd=self.run.root)
             except LaunchError as exc:
@@ -190,6 +195,7 @@ class Supervisor:
             self.log(f"{kind} {self.launches}: {' '.join(self.handle.command[:3])} ... (log {log_path})")
             launched_at = time.time()
             rc = self._reconcile_exit(self._watch(self.handle), launched_at)
+            self.run.head_alive.unlink(missing_ok=True)   # no fleet: no lease (a fleet run by hand has none)
             step = latest_checkpoint_step(self.run)
             self.event("exit", -1 if step is None else step,
                        f"fleet exit {rc}, step {self.handle.step_id or '-'}")
@@ -200,6 +206,10 @@ class Supervisor:
                                         f"finished {self.cfg.train.steps} steps in {self.launches} launch(es)")
             if rc == EXIT_CHECKPOINTED or self.stop is not None:
                 return self._finish_stop(rc)
+            full = disk_full.read(self.run, since=launched_at - 5)
+            if full is not None or rc == EXIT_DISK_FULL:
+                message = full["message"] if full else f"the fleet exited {rc} (disk full); see {log_path}"
+                return self._disk_full(message, step)
             failures.append(f"exit {rc} ({log_path})")
             if len(failures) > self.cfg.supervise.max_relaunches:
                 return self._fail(
@@ -208,11 +218,17 @@ class Supervisor:
             self.log(f"fleet failed with exit {rc}; relaunching from step {step} "
                      f"({len(failures)}/{self.cfg.supervise.max_relaunches})")
 
+    def renew_lease(self) -> None:
+        """The head is alive: its fleet reads this file's age (``Controller.head_gone``)."""
+        self.run.control.mkdir(parents=True, exist_ok=True)
+        self.run.head_alive.touch()
+
     def _watch(self, handle: FleetHandle) -> int:
         self._record_step(handle)
         known_step = None
         term_at = None
         while True:
+            self.renew_lease()
             rc = handle.poll()
             if rc is not None:
                 if getattr(handle, "orphaned", False):
@@ -238,7 +254,7 @@ class Supervisor:
         The controller records ``fleet_exit`` ("exit N") in metrics.h5 before exiting, so a clean
         0 or 75 recorded during this launch is what the fleet meant.
         """
-        if rc in (EXIT_DONE, EXIT_CHECKPOINTED):
+        if rc in (EXIT_DONE, EXIT_CHECKPOINTED, EXIT_DISK_FULL):
             return rc
         try:
             with _signals_held():
@@ -263,9 +279,10 @@ class Supervisor:
         """Where the running fleet is: tools (and tests) read this to find the step to act on."""
         info = {"step_id": handle.step_id, "pid": handle.pid, "launch": self.launches, "time": time.time(),
                 "command": handle.command}
-        tmp = self.run.logs / "fleet.json.tmp"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.run.logs / "fleet.json")
+        try:
+            fsio.write_text(self.run.logs / "fleet.json", json.dumps(info))
+        except fsio.DiskFullError as exc:   # the fleet will meet the full disk too, and say so
+            self.log(f"cannot record the fleet's step: {exc}")
 
     def drain(self, reason: str, requeue: bool) -> int | None:
         """Synchronous stop for callers that cannot return to the loop (submitit's checkpoint()).
@@ -308,6 +325,13 @@ class Supervisor:
         return SupervisorResult("stopped", EXIT_CHECKPOINTED, self.launches, step,
                                 f"stopped ({stop.reason}) after step {step}; run again to resume")
 
+    def _disk_full(self, message: str, step: int | None, before_launch: bool = False) -> SupervisorResult:
+        """A relaunch would only fill the same disk again: stop, saying what to free."""
+        where = "before launching the fleet" if before_launch else "the fleet stopped"
+        resume = f"resumes after step {step}" if step is not None else "starts from the beginning"
+        return self._fail(f"disk full, {where}: {message}. Nothing committed is lost: free space there "
+                          f"and run the same command again; it {resume}", step)
+
     def _fail(self, message: str, step: int | None) -> SupervisorResult:
         self.event("fail", -1 if step is None else step, message)
         self.log(f"FAILED: {message}")
@@ -316,15 +340,27 @@ class Supervisor:
     def event(self, name: str, step: int | None, detail: str) -> None:
         # Signals are held while the file is open: submitit's USR2 handler calls drain(), which
         # writes an event too, and must not find this process's own writer mid-row.
+        try:
+            self._write_event(name, step, detail)
+        except Exception as exc:
+            if not fsio.is_disk_full(exc):
+                raise
+            # The file is as it was; it is repaired (or appended to) once space is freed.
+            self.log(f"event {name!r} not recorded in {self.run.metrics.name}: the disk is full "
+                     f"({fsio.space_report(self.run.metrics)})")
+
+    def _write_event(self, name: str, step: int | None, detail: str) -> None:
         with _signals_held():
             # Only ever called while no fleet runs, so an unclosed file means a killed writer.
             try:
                 if recover_unclosed(self.run.metrics):
                     self.log(f"{self.run.metrics.name} was left open by a killed writer; rewrote it, rows kept")
             except OSError as exc:
+                if fsio.is_disk_full(exc):
+                    raise
                 # Unreadable even for SWMR readers: keep it for forensics, go on with a fresh file.
                 aside = self.run.metrics.with_name(f"metrics.h5.corrupt-{int(time.time())}")
-                os.replace(self.run.metrics, aside)
+                fsio.replace_file(self.run.metrics, aside)
                 self.log(f"{self.run.metrics.name} is unreadable ({exc}); moved to {aside.name}, starting a new one")
             with MetricsWriter(self.run.metrics) as metrics:
                 metrics.event(name, -1 if step is None else step, detail)

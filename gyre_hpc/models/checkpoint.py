@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from gyre_hpc import fsio
 from gyre_hpc.models.decoder import CausalLM, LMConfig
 from gyre_hpc.models.jsonfile import read_json_object
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
@@ -93,7 +94,8 @@ def save_pretrained(model: CausalLM, directory: str | Path, extra: dict | None =
     if extra:
         config["gyre"] = extra
     # Everything else first, config last: a directory with a config is a complete checkpoint.
-    save_file(state, str(d / WEIGHTS_FILE), metadata={"format": "pt"})
+    with fsio.naming_full_disk(d / WEIGHTS_FILE):
+        save_file(state, str(d / WEIGHTS_FILE), metadata={"format": "pt"})
     # A one-shard index: vLLM loads every *.safetensors in the folder unless an index names
     # the weight files, and checkpoints keep other safetensors beside the model (optimizer state).
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},

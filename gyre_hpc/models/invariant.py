@@ -20,8 +20,9 @@ so that it depends only on the token's own context, never on what it was compute
   loudly instead of training on silently different numbers.
 * **Attention** reduces over keys in blocks of ``KEY_BLOCK`` aligned to absolute position 0:
   scores by one product over all keys, the maximum (exact in any order), ``exp`` (elementwise),
-  each block's sum over a fixed ``KEY_BLOCK`` keys, then the blocks one after another (a
-  sequential ``cumsum`` for the denominators, ``in_order`` for the values). Keys a query cannot see contribute exact zeros at the end
+  each block's sum over a fixed ``KEY_BLOCK`` keys, then the blocks one after another
+  (``in_order``, for the denominators and the values alike). Keys a query cannot see
+  contribute exact zeros at the end
   of that scan, so a query's output depends only on its keys 0..position, never on the padding,
   the batch, the chunk it came in or where its KV was computed.
 * **SiLU** is ``x / (1 + exp(-x))``: torch's fused ``silu`` and ``sigmoid`` give another last
@@ -48,6 +49,12 @@ QUERY_ROWS = 256   # query rows per score tile (memory only; any value gives the
 
 def _round_up(n: int, tile: int) -> int:
     return max(tile, -(-n // tile) * tile)
+
+
+def key_blocks_span(tokens: int) -> int:
+    """``tokens`` rounded up to whole key blocks (0 stays 0): what a cache must hold for the
+    block-aligned reduction to read whole blocks (engines.kv_cache sizes rows with it)."""
+    return -(-tokens // KEY_BLOCK) * KEY_BLOCK
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,39 +10,28 @@ which learns from the checkpoint's meta which committed trees are trained (``tra
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-
-from mpi4py import MPI
 
 from gyre_hpc.cells import checkpoint
 from gyre_hpc.cells.cell_rank import CellRank
 from gyre_hpc.cells.controller import Controller
-from gyre_hpc.cells.fleet import FleetOptions, FleetStart, FleetWorkload, guard_world, run_fleet
+from gyre_hpc.cells.fleet import FleetOptions, FleetStart, FleetWorkload
 from gyre_hpc.cells.plan import cell_of_rank
 from gyre_hpc.config import ConfigError, RunConfig
+from gyre_hpc.engines.pacing import EnginePace, Pacer, TrainPace
 from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.rl.batches import StoreMicroBatches
-from gyre_hpc.rl.driver import RLStepDriver, restore_step_rows
+from gyre_hpc.rl.driver import RLStepDriver
 from gyre_hpc.rl.rank import RLRankHandler
 from gyre_hpc.rl.trainer import RLTrainer
-from gyre_hpc.sched.state import Policy
 from gyre_hpc.trees.store import TreeStore
-
-
-@dataclass(frozen=True)
-class RLFleetOptions:
-    policy: Policy | None = None      # None: the one cfg.scheduler names
-    verify_weights: bool = False      # replicas report state checksums at each step's end (tests)
-    max_batch: int = 64               # engine continuous-batching width
-    result_path: str | None = None    # rank 0 writes the FleetResult here as JSON (tests, benchmarks)
-    reply_timeout_s: float = 600.0    # a cell rank silent this long fails the fleet
 
 
 def check_rl_config(cfg: RunConfig) -> None:
     if cfg.workload != "rl":
         raise ConfigError(f"workload={cfg.workload!r}: `python -m gyre_hpc.rl` runs the rl workload; "
-                          f"start the {cfg.workload} fleet with `python -m gyre_hpc.cells`")
+                          f"start the {cfg.workload} fleet with `python -m gyre_hpc.{cfg.workload}`")
     if cfg.cells.ranks_per_cell != 1:
         raise ConfigError(f"cells.ranks_per_cell={cfg.cells.ranks_per_cell}: the rl workload runs one rank per "
                           f"cell (an engine or a replica each); set cells.ranks_per_cell=1")
@@ -60,8 +49,13 @@ def rollout_engine(cfg: RunConfig, trainer: RLTrainer, run_root: Path, cell_id: 
     own and then receives every new version through ``load_weights``."""
     seed = cfg.seed * 1009 + cell_id
     if cfg.rollout.engine == "torch":
+        pace = None
+        if cfg.cells.device == "paced":
+            engine_model, _ = cfg.cells.pace.devices()
+            pace = EnginePace(engine_model, Pacer(speed=cfg.cells.pace.speed.get(cell_id, 1.0)))
+            max_batch = min(max_batch, engine_model.max_seqs)    # the device's slots
         return TorchEngine(trainer.model, name=f"cell{cell_id}", version=version, max_batch=max_batch, seed=seed,
-                           invariant=cfg.model.numerics == "invariant")
+                           invariant=cfg.model.numerics == "invariant", pace=pace)
     from gyre_hpc.engines.vllm_engine import VLLMEngine
     from gyre_hpc.models.checkpoint import save_pretrained
 
@@ -79,7 +73,6 @@ def _step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack,
                  max_batch: int = 64) -> RLStepDriver:
     store = stack.enter_context(TreeStore.open(fs.run.trees, "a"))
     latest, meta = fs.latest, fs.meta
-    ctl.metrics.append(restore_step_rows(latest, fs.run.metrics) if latest is not None else [])
     trained_upto = int(meta.extra.get("trained_upto", 0)) if meta else 0
     if trained_upto > len(store):
         raise checkpoint.CheckpointError(
@@ -96,7 +89,12 @@ def rl_workload(max_batch: int = 64) -> FleetWorkload:
         me = cell_of_rank(fs.cells, fs.rank)
         engine = rollout_engine(fs.cfg, trainer, fs.run.root, me.id, fs.meta.policy_version if fs.meta else 0,
                                 max_batch)
-        return RLRankHandler(trainer, engine, fs.engine_comm, StoreMicroBatches.of(fs.run.trees, fs.cfg.train))
+        pace = None
+        if fs.cfg.cells.device == "paced":
+            _, train_model = fs.cfg.cells.pace.devices()
+            pace = TrainPace(train_model, Pacer(speed=fs.cfg.cells.pace.speed.get(me.id, 1.0)))
+        return RLRankHandler(trainer, engine, fs.engine_comm, StoreMicroBatches.of(fs.run.trees, fs.cfg.train),
+                             pace=pace)
 
     def step_driver(ctl: Controller, fs: FleetStart, stack: contextlib.ExitStack) -> RLStepDriver:
         return _step_driver(ctl, fs, stack, max_batch)
@@ -105,18 +103,8 @@ def rl_workload(max_batch: int = 64) -> FleetWorkload:
                          rank_handler=rank_handler, check=check_rl_config)
 
 
-def fleet_options(options: RLFleetOptions) -> FleetOptions:
-    return replace(FleetOptions(), workload=rl_workload(options.max_batch), policy=options.policy,
-                   verify_weights=options.verify_weights, result_path=options.result_path,
-                   reply_timeout_s=options.reply_timeout_s)
-
-
-def run_rl_fleet(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
-                 world: MPI.Intracomm = MPI.COMM_WORLD):
-    return run_fleet(run_dir, fleet_options(options), world)
-
-
-def main_guarded(run_dir: str | Path, options: RLFleetOptions = RLFleetOptions(),
-                 world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
-    """run_rl_fleet, with any exception on any rank ending the whole world."""
-    return guard_world(lambda: run_rl_fleet(run_dir, options, world), "rl fleet", world)
+def rl_options(max_batch: int = 64, **fields) -> FleetOptions:
+    """The fleet's options for RL: engines ``max_batch`` sequences wide (their continuous
+    batching; a paced engine's device may hold fewer); ``fields``: any other ``FleetOptions``
+    field (policy, verify_weights, result_path, reply_timeout_s)."""
+    return replace(FleetOptions(workload=rl_workload(max_batch)), **fields)

@@ -64,6 +64,7 @@ class TrainReport:
     tokens: int
     seconds: float
     gap: LogprobGap = field(default_factory=LogprobGap)   # trainer vs behaviour logprobs of its targets
+    pace: dict | None = None    # a paced replica's record so far (emulated durations, overruns)
 
 
 @dataclass(frozen=True)

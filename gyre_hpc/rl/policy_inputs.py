@@ -1,13 +1,12 @@
 """The figures of ``ClusterState`` the runtime has to measure itself (contract 2).
 
 Small pure pieces so they test without processes: the wall-clock timer of sustained demand
-over capacity, and the ranking of unfinished runs by expected remaining time.
+over capacity, and the run a request belongs to (the tail estimator is
+``gyre_hpc.sched.tail``, shared with the simulator).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass
@@ -30,21 +29,6 @@ class DemandClock:
         return now - self._since
 
 
-def tail_runs(started: Mapping[str, float], finished: set[str] | Mapping[str, object],
-              fraction: float = 0.25) -> set[str]:
-    """The unfinished runs expected to finish last: the ``fraction`` (at least one) open longest.
-
-    Why elapsed time: run durations are heavy-tailed (tool latency, long agent loops), and for
-    such a law the expected remaining time grows with the time already spent, so the oldest
-    open runs are the best estimate of the ones that set the step time.
-    """
-    open_runs = sorted((t0, rid) for rid, t0 in started.items() if rid not in finished)
-    if not open_runs:
-        return set()
-    k = max(1, math.ceil(len(open_runs) * fraction))
-    return {rid for _, rid in open_runs[:k]}
-
-
 def run_of_request(request_id: str) -> str:
-    """Request ids are ``<run id>-<n>`` (``RouterDriver.generate`` tags them with the run)."""
+    """Request ids are ``<run id>-<n>`` (``RoutedCalls.generate`` tags them with the run)."""
     return request_id.rsplit("-", 1)[0]

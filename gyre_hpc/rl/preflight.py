@@ -1,4 +1,6 @@
-"""Checks of an rl run's config against the registries it names, run by the head before launch.
+"""Checks of an rl run's config against the registries it names, run by the head before launch
+as ``python -m gyre_hpc.rl.preflight CONFIG --result FILE [--prepare build|lookup]``
+(``config.WORKLOADS`` names it; ``jobs.preflight`` runs it and reads the answer).
 
 Why here and not in ``config.py``: the task suites and model presets live in packages the
 bottom-layer config may not import; without this an unknown name passed validation and
@@ -6,15 +8,23 @@ failed inside the fleet after four launches, the error only in the fleet log.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
-from gyre_hpc.config import ConfigError, RunConfig
+from gyre_hpc.config import ConfigError, RunConfig, load_config
 
 
 def check_config(cfg: RunConfig) -> None:
     """Raise ConfigError naming the field and the valid choices; returns quietly when fine."""
     from gyre_hpc.rl.tasks import task_suite_names
 
+    from gyre_hpc.harness.confine import ConfinementError, check_confinement
+    try:   # before any launch: a run whose tool calls would all be refused does not start
+        check_confinement(cfg.rollout.allow_unconfined)
+    except ConfinementError as exc:
+        raise ConfigError(f"rollout.allow_unconfined=false: {exc}") from None
     suites = task_suite_names()
     if cfg.rollout.tasks not in suites:
         raise ConfigError(f"rollout.tasks={cfg.rollout.tasks!r} is not a task suite; valid suites: {', '.join(suites)}")
@@ -33,3 +43,27 @@ def prepare_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:
     from gyre_hpc.warmstart.cache import with_warmstart
 
     return with_warmstart(cfg, log=log, build=build)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gyre_hpc.rl.preflight", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--result", required=True, help='where to write {"config": YAML} or {"error": MESSAGE}')
+    parser.add_argument("--prepare", choices=("build", "lookup"),
+                        help="also resolve the warm start (build: train it if missing; lookup: only find it)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        check_config(cfg)
+        if args.prepare is not None:
+            cfg = prepare_config(cfg, build=args.prepare == "build", log=lambda m: print(m, flush=True))
+        answer = {"config": cfg.to_yaml()}
+    except ConfigError as exc:
+        answer = {"error": str(exc)}
+    Path(args.result).write_text(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ from gyre_hpc.cells import gradsync, protocol, weights
 from gyre_hpc.cells.cell_rank import CellRank
 from gyre_hpc.engines.mpi_engines import serve_engine
 from gyre_hpc.engines.base import Engine
+from gyre_hpc.engines.pacing import TrainPace
 from gyre_hpc.rl import messages
 from gyre_hpc.rl.batches import StoreMicroBatches
 from gyre_hpc.rl.trainer import RLTrainer
@@ -38,6 +39,9 @@ class RLRankHandler:
     engine_comm: MPI.Intracomm
     micro_batches: StoreMicroBatches
     weights_channel: weights.WeightsChannel | None = None
+    # cells.device: paced: each micro-batch ends no earlier than its tokens at the modelled
+    # rate (emulated; overruns recorded in pace.pacer.record)
+    pace: TrainPace | None = None
 
     def __post_init__(self) -> None:
         if self.weights_channel is None:
@@ -81,9 +85,14 @@ class RLRankHandler:
         if cell_rank.cell.role is not Role.TRAIN:
             raise RuntimeError(f"rank {cell_rank.rank} got micro-batch {mb.mb_id} of step {mb.step} while ROLLOUT")
         t0 = time.perf_counter()
+        started = self.pace.pacer.clock() if self.pace is not None else 0.0
         res = self.trainer.train_micro_batch(self.micro_batches.get(mb))
+        if self.pace is not None:
+            train = cell_rank.rank_comms.train
+            replicas = train.Get_size() if train is not None else 1
+            self.pace.pacer.hold(started, self.pace.micro_batch_s(mb.tokens, replicas))
         return messages.TrainReport(cell_rank.rank, mb.step, mb.mb_id, res.loss, mb.tokens, time.perf_counter() - t0,
-                                    res.gap)
+                                    res.gap, self.pace.pacer.record.as_dict() if self.pace is not None else None)
 
     def finish(self, cell_rank: CellRank, cmd: messages.Finish) -> messages.FinishReport:
         t0 = time.perf_counter()

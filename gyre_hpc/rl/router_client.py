@@ -1,7 +1,7 @@
 """The harness's model client over the router: runs on the controller's event loop call
 engines on other ranks.
 
-``RouterDriver.generate`` queues a request and awaits a future; the controller routes the
+``RoutedCalls.generate`` queues a request and awaits a future; the controller routes the
 queue (``dispatch``, least outstanding tokens) right after it has consulted the policy, and
 its pump (``pump``) polls the router between harness steps and resolves the futures, so MPI is pumped on the loop's thread while tool
 calls run in worker threads. Seeds come from ``harness.engine_client.RunClient`` (a hash
@@ -44,7 +44,7 @@ def sessions_of_run(sessions, run_id: str) -> list[str]:
     return [s for s in sessions if s.startswith(prefix)]
 
 
-class RouterDriver:
+class RoutedCalls:
     def __init__(self, router: Router, temperature: float = 1.0, top_p: float = 1.0):
         self.router = router
         self.temperature = temperature
@@ -132,8 +132,8 @@ class RouterDriver:
 
 
 class CountingRunClient(RunClient):
-    def __init__(self, driver: RouterDriver, run_seed: int, run_id: str):
-        super().__init__(driver, run_seed)
+    def __init__(self, calls: RoutedCalls, run_seed: int, run_id: str):
+        super().__init__(calls, run_seed)
         self.run_id = run_id
         self.migrations = 0
         self.calls = 0
@@ -141,12 +141,12 @@ class CountingRunClient(RunClient):
 
     @property
     def restarts(self) -> int:
-        return self.driver.restarts[self.run_id]
+        return self.source.restarts[self.run_id]
 
     async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], *,
                        agent: str = "main") -> Completion:
         t0 = time.monotonic()
-        out = await self.driver.generate(prompt, max_new_tokens, stop, self.seed_for(prompt), tag=self.run_id,
+        out = await self.source.generate(prompt, max_new_tokens, stop, self.seed_for(prompt), tag=self.run_id,
                                          session=session_of(self.run_id, agent))
         self.model_s += time.monotonic() - t0
         self.calls += 1

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gyre_hpc import fsio
 from gyre_hpc.config import RunConfig
 from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
 from gyre_hpc.models.decoder import CausalLM, build_model
@@ -151,30 +152,21 @@ class RLTrainer:
 
         save_pretrained(self.model, directory, extra=extra, tokenizer=self.tokenizer)
         tensors = {k: v.detach().contiguous().clone() for k, v in self.optimizer_state().items()}
-        save_file(tensors, str(Path(directory) / OPTIMIZER_FILE))
+        with fsio.naming_full_disk(Path(directory) / OPTIMIZER_FILE):
+            save_file(tensors, str(Path(directory) / OPTIMIZER_FILE))
 
     def load(self, directory: str | Path) -> None:
         """Weights and optimizer state from a directory ``save`` wrote (names and shapes checked)."""
         from safetensors.torch import load_file
 
         from gyre_hpc.cells.checkpoint import CheckpointError
+        from gyre_hpc.cells.rank_state import load_into
 
         stored = load_pretrained(directory, dtype=torch.float32).state_dict()
         path = Path(directory) / OPTIMIZER_FILE
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory}: {OPTIMIZER_FILE} is missing")
-        optim = load_file(str(path))
-        local = self.state_dict()
-        incoming = {f"model.{k}": v for k, v in stored.items()} | optim
-        missing = sorted(set(local) - set(incoming))
-        extra = sorted(set(incoming) - set(local))
-        if missing or extra:
-            raise CheckpointError(f"checkpoint {directory}: tensors missing {missing[:5]}, unexpected {extra[:5]}")
+        incoming = {f"model.{k}": v for k, v in stored.items()} | load_file(str(path))
         with torch.no_grad():
-            for name, t in local.items():
-                src = incoming[name]
-                if src.shape != t.shape:
-                    raise CheckpointError(f"checkpoint {directory}: {name} has shape {tuple(src.shape)}, "
-                                          f"the model needs {tuple(t.shape)}")
-                t.copy_(src)
+            load_into(self.state_dict(), incoming, Path(directory))
 

@@ -58,6 +58,11 @@ class RunSummary:
     # What the flips did to the rollouts (``flip_effects``): migrations, restarts,
     # recomputed prefill, flapping. None for a run without a timeline.
     flip_effects: dict | None = None
+    # Streaming training: when each replica's last micro-batch of a step ended (``train_mb``
+    # events) and how far apart, as a share of the step's training span. None without events.
+    replica_finish: dict | None = None
+    # Paced cells (cells.device: paced): the last step's records, EMULATED durations.
+    pace: dict | None = None
 
 
 # The train-inference gap of each step (metrics.TABLES["steps"]): None where not measured.
@@ -133,11 +138,14 @@ def summarize(path: str | Path) -> RunSummary:
         runs = {"runs": int(len(r["run_id"])), "requests_moved": int(r["migrations"].sum()),
                 "restarts": int(r["restarts"].sum()), "statuses": dict(Counter(str(x) for x in r["status"]))}
 
+    replica = replica_finish(events) if events else None
+    pace = pace_summary(events) if events else None
     effects = None
     if "timeline" in tables:
         effects = flip_effects(tables["timeline"], tables.get("runs"), tables.get("steps"))
     return RunSummary(
-        steps=steps, trees=_trees_summary(run), runs=runs, flip_effects=effects,
+        steps=steps, trees=_trees_summary(run), runs=runs, flip_effects=effects, replica_finish=replica,
+        pace=pace,
         run_dir=str(run.root), name=cfg.name, launcher=cfg.launcher, policy=cfg.scheduler.policy,
         cells=cfg.cells.count, ranks_per_cell=cfg.cells.ranks_per_cell, steps_planned=cfg.train.steps,
         steps_done=len(step_counts), repeated_steps=sorted(s for s, n in step_counts.items() if n > 1),
@@ -145,6 +153,56 @@ def summarize(path: str | Path) -> RunSummary:
         launches=names.count("launch") + names.count("relaunch"), relaunches=names.count("relaunch"),
         requeues=names.count("requeue"), status=status, events=events,
         cell_flips=[flips[c] for c in sorted(flips)])
+
+
+def _fields(detail: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in detail.split() if "=" in kv)
+
+
+def replica_finish(events: list[tuple[float, str, int, str]]) -> dict | None:
+    """Per step with >= 2 training cells: each cell's last micro-batch end (the controller's
+    receipt of its report), their spread, and the spread as a share of the step's training
+    span (first micro-batch start to last end). Dealing by measured speed should keep every
+    replica finishing together, a slower one included."""
+    by_step: dict[int, dict[int, list[tuple[float, float]]]] = {}
+    for t, name, step, detail in events:
+        if name != "train_mb":
+            continue
+        f = _fields(detail)
+        by_step.setdefault(step, {}).setdefault(int(f["cell"]), []).append((t, float(f["seconds"])))
+    if not by_step:
+        return None
+    out = {}
+    for step, cells in sorted(by_step.items()):
+        if len(cells) < 2:
+            continue
+        ends = {c: max(t for t, _ in mbs) for c, mbs in cells.items()}
+        start = min(t - sec for mbs in cells.values() for t, sec in mbs)
+        span = max(ends.values()) - start
+        spread = max(ends.values()) - min(ends.values())
+        out[step] = {"last_end_s": {c: round(e - start, 3) for c, e in sorted(ends.items())},
+                     "spread_s": round(spread, 3), "share": round(spread / span, 4) if span > 0 else 0.0}
+    return {"steps": out, "max_share": max((v["share"] for v in out.values()), default=None)}
+
+
+def pace_summary(events: list[tuple[float, str, int, str]]) -> dict | None:
+    """The paced cells' records at the last step that wrote them (cumulative), and the
+    overrun share over all of them: above a few percent the emulation is not valid."""
+    last: dict[tuple[int, str], dict[str, str]] = {}
+    step_of = -1
+    for _, name, step, detail in events:
+        if name == "pace":
+            f = _fields(detail)
+            last[(int(f["cell"]), detail.split()[2])] = f
+            step_of = max(step_of, step)
+    if not last:
+        return None
+    paced = sum(float(f["paced_s"]) for f in last.values())
+    over = sum(float(f["overrun_s"]) for f in last.values())
+    return {"emulated": True, "step": step_of, "cells": {f"{c}:{role}": {k: float(v) for k, v in f.items() if k != "cell"}
+                                                        for (c, role), f in sorted(last.items())},
+            "paced_s": round(paced, 3), "overrun_s": round(over, 3),
+            "overrun_share": round(over / paced, 4) if paced > 0 else 0.0}
 
 
 def flip_effects(timeline: dict, runs: dict | None = None, steps: dict | None = None) -> dict:
@@ -300,6 +358,15 @@ def render(summary: RunSummary) -> None:
                       f"{f['restarts']}, recomputed prefill tokens {f['recomputed_prefill_tokens']}, flaps "
                       f"{f['flaps']} (released and reclaimed in one step)")
 
+    rf = summary.replica_finish
+    if rf and rf["steps"]:
+        console.print(f"replicas' last micro-batch: spread up to {rf['max_share']:.0%} of a step's training span "
+                      f"({len(rf['steps'])} steps with >= 2 replicas)")
+    if summary.pace:
+        p = summary.pace
+        console.print(f"paced cells (EMULATED durations): {p['paced_s']:.1f} s held, overrun {p['overrun_s']:.1f} s "
+                      f"= {p['overrun_share']:.1%} (above ~5% the emulation is not valid)")
+
     if summary.events:
         import time as _time
 
@@ -307,6 +374,8 @@ def render(summary: RunSummary) -> None:
         for col in ("time", "event", "step", "detail"):
             events.add_column(col)
         for t, name, step, detail in summary.events:
+            if name in ("train_mb", "pace"):
+                continue    # one per micro-batch / paced cell: summarized above
             events.add_row(_time.strftime("%H:%M:%S", _time.localtime(t)), name, "" if step < 0 else str(step), detail)
         console.print(events)
 

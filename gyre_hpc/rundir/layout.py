@@ -49,6 +49,28 @@ class RunDir:
         return self.root / "control"
 
     @property
+    def exit_request(self) -> Path:
+        """Dropped by the head to ask the fleet to checkpoint and exit (``contract.EXIT_CHECKPOINTED``)."""
+        return self.control / "checkpoint-and-exit"
+
+    @property
+    def head_alive(self) -> Path:
+        """The head's lease: its supervisor renews the mtime while the fleet runs, and a fleet
+        whose lease is older than ``supervise.head_lease_s`` checkpoints and exits."""
+        return self.control / "head-alive"
+
+    @property
+    def space_reserve(self) -> Path:
+        """A few KiB the head sets aside at each start: a fleet that finds the disk full frees
+        it to write ``disk_full`` (see ``rundir.disk_full``)."""
+        return self.control / "space-reserve"
+
+    @property
+    def disk_full(self) -> Path:
+        """The fleet's report of the write that found the disk full (file, space, rank)."""
+        return self.control / "disk-full.json"
+
+    @property
     def journals(self) -> Path:
         return self.root / "journals"
 

@@ -20,7 +20,7 @@ import numpy as np
 import xarray as xr
 
 from gyre_hpc.rundir.layout import RunDir
-from gyre_hpc.rundir.metrics import TABLES, read_table
+from gyre_hpc.rundir.metrics import TABLES, open_for_read, read_table
 
 _DIM = {"steps": "step", "engines": "sample"}
 STATES = ("ROLLOUT", "TRAIN", "SWITCH")
@@ -77,8 +77,7 @@ def _table(path: Path, table: str, present: set[str]) -> xr.Dataset:
 
 
 def _attrs_and_tables(path: Path) -> tuple[dict, set[str]]:
-    import h5py
-    with h5py.File(path, "r", libver="latest", swmr=True) as f:
+    with open_for_read(path) as f:
         out = {}
         for k, v in f.attrs.items():
             out[k] = v.decode() if isinstance(v, bytes) else v.item() if hasattr(v, "item") else v

@@ -8,7 +8,6 @@ The simulator writes the same schema, so analysis code cannot tell the two apart
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any, Iterable, Protocol
 
 import h5py
 import numpy as np
+
+from gyre_hpc import fsio
 
 SCHEMA_VERSION = 1
 # Fixed-width byte strings, not variable-length ones: HDF5 keeps vlen strings in a global
@@ -174,13 +175,34 @@ def _open_for_write(path: Path, wait_s: float = 30.0) -> h5py.File:
             time.sleep(0.05)
 
 
+def open_for_read(path: Path | str, wait_s: float = 30.0) -> h5py.File:
+    """Open as an SWMR reader, waiting out a writer's setup: between opening the file and
+    switching to SWMR mode (creating columns, setting attributes) the writer holds HDF5's lock
+    exclusively, and a reader arriving in that moment gets EAGAIN. The head reopens the file
+    for each event, so a notebook or a test polling a live run meets that window; CI saw a
+    poll of ``events`` fail with BlockingIOError errno 11 as a requeued head resumed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return h5py.File(path, "r", libver="latest", swmr=True)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class MetricsWriter:
     """Single writer of ``metrics.h5``; appends rows and flushes so SWMR readers see them."""
 
     def __init__(self, path: str | Path, attrs: dict[str, Any] | None = None, mirror: RowMirror | None = None):
         self.path = Path(path)
         self._mirror = mirror
+        self._attrs = attrs
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        with fsio.naming_full_disk(self.path):
+            self._open()
+
+    def _open(self) -> None:
         self._f = _open_for_write(self.path)
         for table, cols in TABLES.items():
             grp = self._f.require_group(table)
@@ -191,12 +213,18 @@ class MetricsWriter:
                     grp.create_dataset(col, shape=(rows,), maxshape=(None,), dtype=dtype, chunks=(1024,),
                                        fillvalue=b"" if str(dtype).startswith("S") else 0)
         self._f.attrs["schema_version"] = SCHEMA_VERSION
-        for k, v in (attrs or {}).items():
+        for k, v in (self._attrs or {}).items():
             self._f.attrs[k] = v
         self._f.swmr_mode = True
 
     def append(self, rows: Iterable[TimelineRow | StepRow | EngineRow | EventRow | RunRow]) -> None:
         rows = list(rows)
+        with fsio.naming_full_disk(self.path):
+            self._append(rows)
+        if self._mirror is not None:
+            self._mirror.append(rows)
+
+    def _append(self, rows: list) -> None:
         by_table: dict[str, list] = {}
         for row in rows:
             by_table.setdefault(_ROW_TABLE[type(row)], []).append(row)
@@ -212,8 +240,6 @@ class MetricsWriter:
                     values = [str(v).encode()[:width] for v in values]
                 ds[n:] = values
                 ds.flush()
-        if self._mirror is not None:
-            self._mirror.append(rows)
 
     def add(self, row: TimelineRow | StepRow | EngineRow | EventRow | RunRow) -> None:
         self.append([row])
@@ -240,7 +266,7 @@ def read_table(path: str | Path, table: str) -> dict[str, np.ndarray]:
     """Read one table as columns; works on a live file (SWMR) and on a closed one."""
     if table not in TABLES:
         raise KeyError(f"unknown metrics table {table!r}; valid: {', '.join(TABLES)}")
-    with h5py.File(path, "r", libver="latest", swmr=True) as f:
+    with open_for_read(path) as f:
         grp = f[table]
         out = {}
         rows = None
@@ -285,18 +311,24 @@ def recover_unclosed(path: str | Path) -> bool:
     except OSError as exc:
         if "already open for write" not in str(exc):
             raise
-    with h5py.File(path, "r", libver="latest", swmr=True) as src:
+    with open_for_read(path) as src:
         attrs = dict(src.attrs)
         present = [table for table in TABLES if table in src]
     tables = {table: read_table(path, table) for table in present}
     tmp = path.with_name(path.name + ".recovering")
     tmp.unlink(missing_ok=True)
     row_types = {table: row_type for row_type, table in _ROW_TABLE.items()}
-    with MetricsWriter(tmp, attrs=attrs) as writer:
-        for table, cols in tables.items():
-            # A writer killed mid-append leaves its last row in some columns only: that row was
-            # never complete; every complete row is kept.
-            n = min(len(cols[c]) for c, _ in TABLES[table])
-            writer.append(row_types[table](**{c: cols[c][i] for c, _ in TABLES[table]}) for i in range(n))
-    os.replace(tmp, path)
+    try:
+        with MetricsWriter(tmp, attrs=attrs) as writer:
+            for table, cols in tables.items():
+                # A writer killed mid-append leaves its last row in some columns only: that row was
+                # never complete; every complete row is kept.
+                n = min(len(cols[c]) for c, _ in TABLES[table])
+                writer.append(row_types[table](**{c: cols[c][i] for c, _ in TABLES[table]}) for i in range(n))
+        fsio.replace_file(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)   # the original is untouched; a full disk gets its space back
+        if fsio.is_disk_full(exc) and not isinstance(exc, fsio.DiskFullError):
+            raise fsio.DiskFullError(path, "copying its rows to a fresh file") from exc
+        raise
     return True

@@ -14,6 +14,7 @@ import math
 import uuid
 from pathlib import Path
 
+from gyre_hpc import fsio
 from gyre_hpc.rundir.metrics import EngineRow, StepRow
 from gyre_hpc.rundir.tensorboard import ENGINE_TAGS, STEP_TAGS
 
@@ -29,7 +30,7 @@ class WandbMirror:
         root = Path(run_root)
         id_file = root / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id + "\n")
+        fsio.write_text(id_file, run_id + "\n")
         self._run = wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow", mode=mode,
                                dir=str(root), config=config, settings=wandb.Settings(silent=True, console="off"))
         self._run.define_metric("train/step")

@@ -55,8 +55,15 @@ class ElasticParams:
     # (``bench switch``, the first micro-batch, or the simulator's workload); the default
     # is the order of one 8-GPU node training a ~7B model on long sequences.
     default_train_tokens_per_s: float = 2000.0
-    # Versions a rollout may lag the trainer; elastic is on-policy.
+    # Versions a rollout may lag the trainer; elastic is on-policy by default.
     max_staleness: int = 0
+    # Cells that train whatever the rollout wants (core included): a static split elastic
+    # holds as its floor and releases beyond. With staleness >= 1 the next batch rolls out
+    # while this one trains, so the step is throughput-bound and the best split is found
+    # by throughput (``gyre-hpc sim`` finds it: ``async_tuned``); elastic then adds what its
+    # releases win on top (never slower than the split across the simulator's sensitivity
+    # sweep; measured, not guaranteed). 0: no floor.
+    train_floor_cells: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_tokens_per_engine < 0:
@@ -75,6 +82,8 @@ class ElasticParams:
             raise ValueError(f"elastic default_train_tokens_per_s={self.default_train_tokens_per_s}: must be > 0")
         if self.max_staleness < 0:
             raise ValueError(f"elastic max_staleness={self.max_staleness}: must be >= 0")
+        if self.train_floor_cells < 0:
+            raise ValueError(f"elastic train_floor_cells={self.train_floor_cells}: must be >= 0 (0 = no floor)")
 
 
 def kv_capacity(cell: CellState, fallback: int) -> int:
@@ -120,10 +129,33 @@ class ElasticPolicy:
         return tail_engines <= n and rest - spare <= per * (n - tail_engines)
 
     def __call__(self, state: ClusterState) -> list[RoleChange]:
-        changes = self._reclaim(state)
+        changes = self._to_floor(state) or self._reclaim(state)
         if changes:
             return changes
         return self._release(state)
+
+    @property
+    def holding_split(self) -> bool:
+        """Off-policy with a floor: the step is throughput-bound and the floor's split is
+        the plan; cells beyond it train only while no run is open and all return at once
+        when work waits."""
+        return bool(self.params.train_floor_cells) and self.params.max_staleness >= 1
+
+    def _to_floor(self, state: ClusterState) -> list[RoleChange]:
+        """Cells to TRAIN until the floor's split holds (cells already switching count)."""
+        floor = self.params.train_floor_cells
+        trainers = len(state.in_role(Role.TRAIN))
+        if trainers >= floor:
+            return []
+        engines = sorted(flippable(state, Role.ROLLOUT), key=lambda c: (c.inflight_requests, -c.cell))
+        picked = engines[:max(0, min(floor - trainers, len(serving_engines(state)) - 1))]
+        why = f"train floor: {floor} cells train (a static split held), {trainers} do"
+        return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]
+
+    def _above_floor(self, state: ClusterState, candidates: list[CellState]) -> list[CellState]:
+        """The reclaimable replicas: never so many that the floor's split breaks."""
+        spare = len(state.in_role(Role.TRAIN)) - self.params.train_floor_cells
+        return candidates[:max(0, spare)] if self.params.train_floor_cells else candidates
 
     def _reclaim(self, state: ClusterState) -> list[RoleChange]:
         p = self.params
@@ -134,7 +166,15 @@ class ElasticPolicy:
         arriving = arriving_engines(state)
         engines = len(arriving)
         # Highest id first: the order is fixed so that replays of a run decide the same way.
-        candidates = sorted(candidates, key=lambda c: -c.cell)
+        candidates = self._above_floor(state, sorted(candidates, key=lambda c: -c.cell))
+        if not candidates:
+            return []
+        if self.holding_split:
+            # Work to roll out and cells trained beyond the split: the split's engines come
+            # back, all of them, at once (a batch on fewer engines than the split is slower).
+            why = (f"{demand} requests and runs waiting: the {len(candidates)} cells released beyond the "
+                   f"train floor of {p.train_floor_cells} return to the split")
+            return [RoleChange(c.cell, Role.ROLLOUT, why) for c in candidates]
         kv = kv_capacity(candidates[0], p.kv_tokens_per_engine)
         need = self.engines_needed(state, demand, kv) - engines
         # Unfinished runs are not a blip: each calls the model again, and within a batch
@@ -187,6 +227,11 @@ class ElasticPolicy:
         p = self.params
         if state.queued_requests > 0:
             return []
+        if self.holding_split and state.unfinished_runs > 0:
+            # Holding a throughput-sized split off-policy: every engine of it is needed while
+            # any run is open (runs in tool calls return to them, and the next batch starts
+            # on them as soon as the bound lets it); only an idle fleet's engines may train.
+            return []
         demand = rollout_demand(state)
         serving = serving_engines(state)
         # Never a cell whose engine holds tail requests: migrating them slows the slowest run.
@@ -218,7 +263,12 @@ class ElasticPolicy:
             return []
         alone_s = work / rate if rate > 0 else math.inf
         joined_s = state.rollout_to_train_s + left / (rate + added)
-        if joined_s + p.return_cost_weight * state.train_to_rollout_s >= alone_s:
+        back_s = state.train_to_rollout_s
+        if self.holding_split:
+            # The way back delays the next batch on the split's engines: a batch started on
+            # fewer engines keeps its runs where they landed, so count a whole flip cycle.
+            back_s += state.rollout_to_train_s
+        if joined_s + p.return_cost_weight * back_s >= alone_s:
             return []
         n = len(remaining)
         if state.unfinished_runs == 0:

@@ -11,22 +11,23 @@ from functools import lru_cache
 
 import numpy as np
 
-from gyre_hpc.sim.workload import Workload
+from gyre_hpc.sim.workload import Workload, WorkloadError
 
 
 @dataclass
 class Batch:
     step: int
-    work: list[list[float]]    # per run, per simulated call: decode-token equivalents (prefill converted)
-    tool_s: list[list[float]]  # per run, per simulated call: environment time after it
-    tokens: list[list[float]]  # per run, per simulated call: tokens it adds to the trajectory tree
-    ctx: list[list[float]]     # per run, per simulated call: context length while it decodes (KV held)
-    group: list[int]           # per run: its task (advantage group) within the batch
-    calls: list[int]           # per run: model calls before coarsening
-    # per run, per simulated call: seconds from the start of that call to the run's end with
-    # a whole engine to itself (single-stream decode, tool time between calls). The tail
-    # ranking's expected remaining time, and [i][0] is the run's critical path.
-    rest_s: list[list[float]]
+    work: list[list[float]]     # per run, per simulated call: tokens to decode
+    prefill_s: list[list[float]]  # per run, per simulated call: seconds to prefill its new context (prefix cached)
+    tool_s: list[list[float]]   # per run, per simulated call: environment time after it
+    tokens: list[list[float]]   # per run, per simulated call: tokens it adds to the trajectory tree
+    ctx: list[list[float]]      # per run, per simulated call: KV tokens it holds while it decodes (mean over its calls)
+    group: list[int]            # per run: its task (advantage group) within the batch
+    calls: list[int]            # per run: model calls before coarsening
+    # per run: seconds from its first call to its end with an engine to itself (single-
+    # stream decode, its prefills, tool time between calls). The critical-path BOUND only:
+    # the simulator's policy inputs never read it (a controller cannot know it).
+    critical_s: list[float]
 
     @property
     def runs(self) -> int:
@@ -45,16 +46,20 @@ def sample_batch(w: Workload, step: int) -> Batch:
     out = r.output_tokens.sample(rng, total)
     ctx_new = r.context_tokens.sample(rng, total)
     tool = r.tool_s.sample(rng, total)
-    prefill_equiv = e.single_seq_tokens_per_s / e.prefill_tokens_per_s
     tokens = out + ctx_new
     first_call = np.concatenate([[0], np.cumsum(calls)[:-1]])
-    # Context while a call decodes: everything before it, its new prompt, half its output.
     run_offset = np.repeat(np.concatenate([[0.0], np.cumsum(tokens)])[first_call], calls)
-    decode_ctx = np.cumsum(tokens) - run_offset - out / 2
-    work = out * e.decode_slowdown(decode_ctx) + prefill_equiv * ctx_new
+    before = np.cumsum(tokens) - run_offset - tokens       # context already cached when the call starts
+    decode_ctx = before + ctx_new + out / 2                # context while it decodes, on average
+    prefill = np.asarray(e.prefill_s(ctx_new, before))
+    limit = e.max_context_tokens()
+    if limit and float((before + tokens).max()) > limit:
+        raise WorkloadError(f"a run reaches {int((before + tokens).max()):,} tokens of context, more than one "
+                            f"engine holds for one sequence ({limit:,}: engine.attention_gpus={e.attention_gpus} "
+                            f"GPUs of KV beside the weights); raise engine.attention_gpus or shorten the runs")
 
     # Merge every `coarsen` consecutive calls of a run into one simulated call: sums keep
-    # each run's decode work, tokens and tool time, so run lengths and their tail are kept.
+    # each run's decode work, prefill, tokens and tool time, so run lengths and their tail are kept.
     m = r.coarsen
     blocks = -(-calls // m)
     local = np.arange(total) - np.repeat(first_call, calls)
@@ -62,17 +67,20 @@ def sample_batch(w: Workload, step: int) -> Batch:
     key = np.repeat(first_block, calls) + local // m
     n_blocks = int(blocks.sum())
 
-    def per_block(x: np.ndarray) -> list[list[float]]:
-        summed = np.bincount(key, weights=x, minlength=n_blocks)
-        return [a.tolist() for a in np.split(summed, np.cumsum(blocks)[:-1])]
+    def summed(x: np.ndarray) -> np.ndarray:
+        return np.bincount(key, weights=x, minlength=n_blocks)
 
-    tok_blocks = per_block(tokens)
-    ctx = [np.cumsum(t).tolist() for t in tok_blocks]
-    work_blocks, tool_blocks = per_block(work), per_block(tool)
-    rest = []
-    for wb, tb in zip(work_blocks, tool_blocks):
-        # no tool time after the last call: the run ends with it
-        serial = np.asarray(wb) / e.single_seq_tokens_per_s + np.concatenate([tb[:-1], [0.0]])
-        rest.append(np.cumsum(serial[::-1])[::-1].tolist())
-    return Batch(step=step, work=work_blocks, tool_s=tool_blocks, tokens=tok_blocks, ctx=ctx,
-                 group=(np.arange(n_runs) // r.runs_per_task).tolist(), calls=calls.tolist(), rest_s=rest)
+    def per_run(x: np.ndarray) -> list[list[float]]:
+        return [a.tolist() for a in np.split(x, np.cumsum(blocks)[:-1])]
+
+    out_b = summed(out)
+    ctx_b = summed(out * decode_ctx) / np.maximum(out_b, 1e-12)
+    tool_b, pre_b = summed(tool), summed(prefill)
+    alone = summed(out * np.asarray(e.step_s(1, decode_ctx)) + prefill)
+    last_block = np.cumsum(blocks) - 1
+    serial = alone + tool_b
+    serial[last_block] -= tool_b[last_block]   # no tool time after the last call: the run ends with it
+    critical = np.add.reduceat(serial, first_block).tolist()
+    return Batch(step=step, work=per_run(out_b), prefill_s=per_run(pre_b), tool_s=per_run(tool_b),
+                 tokens=per_run(summed(tokens)), ctx=per_run(ctx_b),
+                 group=(np.arange(n_runs) // r.runs_per_task).tolist(), calls=calls.tolist(), critical_s=critical)

@@ -16,7 +16,7 @@ from gyre_hpc.sim.workload import Workload
 
 def work_bound_s(w: Workload) -> float:
     e = w.engine
-    peak = e.max_seqs * e.per_seq_tokens_per_s(e.max_seqs)
+    peak = e.max_seqs * e.per_seq_tokens_per_s(e.max_seqs)   # at no KV: faster than any real batch
     decode = train = 0.0
     for s in range(w.steps):
         b = sample_batch(w, s)
@@ -26,7 +26,7 @@ def work_bound_s(w: Workload) -> float:
 
 
 def critical_path_s(w: Workload, max_staleness: int = 0) -> float:
-    per_step = [max(r[0] for r in sample_batch(w, s).rest_s) + w.train.optimizer_step_s for s in range(w.steps)]
+    per_step = [max(sample_batch(w, s).critical_s) + w.train.optimizer_step_s for s in range(w.steps)]
     k = max_staleness + 1
     return max(sum(per_step[r::k]) for r in range(min(k, w.steps)))
 

@@ -41,12 +41,17 @@ def _set(values: tuple[str, ...]) -> dict:
               help="with --measured-from: write the measured fields as a --workload YAML file")
 @click.option("--sweep", "do_sweep", is_flag=True, help="vary tail, switch cost, cell count, training cost")
 @click.option("--sweep-steps", type=int, default=4, show_default=True, help="RL steps per sweep point")
-@click.option("--tune-async", is_flag=True,
-              help="also find async's fastest split by simulation and report elastic against it")
+@click.option("--tune-async/--no-tune-async", default=True, show_default=True,
+              help="find async's fastest split by simulation and report elastic against it")
+@click.option("--sensitivity", "do_sensitivity", is_flag=True,
+              help="every prior of the preset at each end of its range x seeds, refitted: the band of each policy and ratio")
+@click.option("--sensitivity-steps", type=int, default=8, show_default=True,
+              help="RL steps simulated per sensitivity variant (hours scaled to the preset's steps)")
+@click.option("--seeds", default="0,1,2", show_default=True, help="seeds of the sensitivity variants")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies: str, out: str | None,
         no_record: bool, measured_from: str | None, save_workload: str | None, do_sweep: bool, sweep_steps: int,
-        tune_async: bool, as_json: bool) -> None:
+        tune_async: bool, do_sensitivity: bool, sensitivity_steps: int, seeds: str, as_json: bool) -> None:
     """Simulate a fleet of cells under each scheduler policy (same runs for each)."""
     measured = None
     try:
@@ -64,6 +69,21 @@ def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies:
         w = override(w, _set(sets))
     except WorkloadError as exc:
         raise click.ClickException(str(exc)) from None
+    if do_sensitivity:
+        from gyre_hpc.sim.sensitivity import sensitivity
+        try:
+            seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+        except ValueError:
+            raise click.BadParameter(f"{seeds!r}: expected comma-separated integers", param_hint="--seeds") from None
+        try:
+            result = sensitivity(w, steps=sensitivity_steps, seeds=seed_list)
+        except WorkloadError as exc:
+            raise click.ClickException(str(exc)) from None
+        if not as_json:
+            _print_sensitivity(result)
+            return
+        emit(result, as_json)
+        return
     if do_sweep:
         import dataclasses
         from gyre_hpc.sim.sweep import sweep
@@ -100,6 +120,20 @@ def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies:
         # async and colocate are fitted to these (docs/sim.md); elastic's ratio is the prediction's
         report["model_over_paper"] = {k: round(report["total_h"][k] / PAPER_HOURS[k], 3) for k in PAPER_HOURS}
     emit(report, as_json)
+
+
+def _print_sensitivity(result: dict) -> None:
+    click.echo(f"sensitivity of {result['preset']}: {result['variants']} variants ({len(result['priors'])} priors "
+               f"x 2 ends + base, seeds {result['seeds']}), {result['steps_simulated']} steps each, hours scaled "
+               f"to {result['hours_scaled_to_steps']}; {result['fitted']} refit to colocate each time")
+    for k, b in result["bands"]["hours"].items():
+        click.echo(f"  {k:<22} {b['min']:>8.2f} .. {b['max']:<8.2f} h   ({b['variants']} variants)")
+    for k, b in result["bands"]["ratios"].items():
+        click.echo(f"  {k:<36} {b['min']:.3f} .. {b['max']:.3f}")
+    for k, v in result["worst"].items():
+        click.echo(f"  worst {k}: {v['ratio']:.3f} at {v['prior']}={v['value']} seed {v['seed']}")
+    click.echo(f"  fits outside their prior: {', '.join(result['fits_outside_prior']) or 'none'}")
+    click.echo(f"  async at the paper's split refused: {', '.join(result['async_paper_split_refused']) or 'never'}")
 
 
 def _print_sweep(result: dict) -> None:

@@ -20,12 +20,13 @@ from collections import deque
 from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Policy, Role, RoleChange
+from gyre_hpc.sched.tail import RunProgress, tail_runs
 from gyre_hpc.sim.batch import Batch, sample_batch
 from gyre_hpc.sim.result import SimResult
 from gyre_hpc.sim.workload import Workload
 
 # event kinds
-_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE, _DEADLINE = range(9)
+_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE, _DEADLINE, _PREFILLED = range(10)
 _QUEUED, _AWAY = -2, -1   # where a run is when not on an engine: waiting for one, or in a tool call
 # busy-accounting categories of a cell
 ROLLOUT_BUSY, ROLLOUT_IDLE, TRAIN_BUSY, TRAIN_IDLE, SWITCH = range(5)
@@ -37,7 +38,8 @@ class SimError(RuntimeError):
 
 
 class _Engine:
-    __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx", "parked", "parked_ctx", "seq_s", "kv_s")
+    __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx", "parked", "parked_ctx", "seq_s", "kv_s",
+                 "pf", "pf_ctx", "pf_until")
 
     def __init__(self) -> None:
         self.clock = 0.0      # tokens each resident sequence has been served
@@ -52,6 +54,15 @@ class _Engine:
         self.parked_ctx = 0.0
         self.seq_s = 0.0      # integral of resident sequences over time (slot occupancy)
         self.kv_s = 0.0       # integral of KV tokens held over time
+        # Calls prefilling: one at a time at the engine's compute rate (FIFO), each holding
+        # its slot and KV; run -> (placement number, decode work to follow).
+        self.pf: dict[int, tuple[int, float]] = {}
+        self.pf_ctx = 0.0
+        self.pf_until = 0.0   # when the prefill server is free
+
+    @property
+    def resident(self) -> int:
+        return len(self.heap) + len(self.pf)
 
 
 class _Cell:
@@ -67,14 +78,14 @@ class FleetSim:
         self.w, self.policy, self.name = w, policy, policy_name
         self.staleness = staleness_bound(policy)
         f, e = w.fleet, w.engine
-        n_ro = f.rollout_only
-        self.cells = [_Cell(0, CellKind.CORE, Role.TRAIN)] + [
+        n_ro, core = f.rollout_only, w.core_cells
+        self.cells = [_Cell(i, CellKind.CORE, Role.TRAIN) for i in range(core)] + [
             _Cell(i, CellKind.ROLLOUT_ONLY if i > f.cells - 1 - n_ro else CellKind.ELASTIC, Role.ROLLOUT)
-            for i in range(1, f.cells)]
+            for i in range(core, f.cells)]
         self.engines = [_Engine() for _ in self.cells]
-        self.per_seq = [e.per_seq_tokens_per_s(n) for n in range(e.max_seqs + 2)]
+        self.dev = e
         self.kv_cap = e.kv_capacity_tokens()
-        self.prefill_equiv = e.single_seq_tokens_per_s / e.prefill_tokens_per_s
+        self.run_placed: list[int] = []     # placements of each run: invalidates stale prefill events
         self.max_active = w.run.max_concurrent_runs or w.run.runs_per_step
         self.events: list[tuple] = []
         self.seq = 0
@@ -128,6 +139,7 @@ class FleetSim:
         self.switches = 0
         self.runs_finished = 0
         self.runs_cut = 0
+        self.finished_tokens = 0.0   # tokens of finished runs: the per-run measure a runtime has
         self.timeline: list[TimelineRow] = []
         self.steps: list[StepRow] = []
         self.engine_rows: list[EngineRow] = []
@@ -144,7 +156,7 @@ class FleetSim:
         if c.switching:
             return SWITCH
         if c.role is Role.ROLLOUT:
-            return ROLLOUT_BUSY if self.engines[c.id].heap else ROLLOUT_IDLE
+            return ROLLOUT_BUSY if self.engines[c.id].resident else ROLLOUT_IDLE
         return TRAIN_BUSY if self.tr_busy else TRAIN_IDLE
 
     def touch(self, c: _Cell) -> None:
@@ -158,31 +170,40 @@ class FleetSim:
         return c.role is Role.ROLLOUT and not c.switching
 
     # ---------------------------------------------------------------- engines
+    def rate(self, e: _Engine) -> float:
+        """Tokens/s of each decoding sequence: the batch's size and the KV it reads each step."""
+        return self.dev.per_seq_tokens_per_s(len(e.heap), e.ctx)
+
+    def decode_tokens_per_s(self, e: _Engine) -> float:
+        """What the engine's decoding sequences produce together (prefilling ones move none)."""
+        return len(e.heap) * self.rate(e) if e.heap else 0.0
+
     def advance(self, e: _Engine) -> None:
+        dt = self.now - e.t
         if e.heap:
-            dt = self.now - e.t
-            e.clock += self.per_seq[len(e.heap)] * dt
-            e.seq_s += len(e.heap) * dt
-            e.kv_s += (e.ctx + e.parked_ctx) * dt
+            e.clock += self.rate(e) * dt
+        if e.heap or e.pf:
+            e.seq_s += e.resident * dt
+            e.kv_s += (e.ctx + e.pf_ctx + e.parked_ctx) * dt
         e.t = self.now
 
     def reschedule(self, cid: int) -> None:
         e = self.engines[cid]
         e.stamp += 1
         if e.heap:
-            dt = max(e.heap[0][0] - e.clock, 0.0) / self.per_seq[len(e.heap)]
+            dt = max(e.heap[0][0] - e.clock, 0.0) / self.rate(e)
             self.push(self.now + dt, _ENGINE, cid, e.stamp)
         e.load_stamp += 1
         if self.serving(self.cells[cid]):
-            heapq.heappush(self.load_heap, (len(e.heap), cid, e.load_stamp))
+            heapq.heappush(self.load_heap, (e.resident, cid, e.load_stamp))
         if len(self.load_heap) > 64 * len(self.cells):
             # Stale entries are only dropped when they reach the top; rebuild now and then
             # so the heap stays the size of the fleet rather than of the event count.
-            self.load_heap = [(len(x.heap), i, x.load_stamp) for i, x in enumerate(self.engines)
+            self.load_heap = [(x.resident, i, x.load_stamp) for i, x in enumerate(self.engines)
                               if self.serving(self.cells[i])]
             heapq.heapify(self.load_heap)
 
-    def route(self, run: int, work: float, front: bool = False, warm: bool = False) -> None:
+    def route(self, run: int, work: float, front: bool = False, warm: bool = False, prefill: float = 0.0) -> None:
         """The run's home engine (the one holding its cached prefix) if it has a slot and
         room, else the least-loaded serving engine with a free slot and room for the call's
         KV cache (context tokens x bytes per token against the engine's memory), else the
@@ -195,9 +216,9 @@ class FleetSim:
         home = self.run_home[run] if cap else -1
         if home >= 0:
             e = self.engines[home]
-            if (self.serving(self.cells[home]) and len(e.heap) < max_seqs
-                    and (not e.heap or e.ctx + need <= cap)):
-                self.place(run, home, work)
+            if (self.serving(self.cells[home]) and e.resident < max_seqs
+                    and (not e.resident or e.ctx + e.pf_ctx + need <= cap)):
+                self.place(run, home, work, prefill)
                 return
         skipped = []
         placed = -1
@@ -209,7 +230,7 @@ class FleetSim:
                 continue
             if n >= max_seqs:
                 break
-            if cap and e.heap and e.ctx + need > cap:
+            if cap and e.resident and e.ctx + e.pf_ctx + need > cap:
                 skipped.append(heapq.heappop(self.load_heap))
                 continue
             heapq.heappop(self.load_heap)
@@ -218,26 +239,34 @@ class FleetSim:
         for item in skipped:
             heapq.heappush(self.load_heap, item)
         if placed >= 0:
-            if cap and not warm:
+            if cap and not warm and self.run_cached[run]:
+                # away from its cached prefix: the whole earlier context is prefilled again
                 self.unpark(run)
-                work += self.prefill_equiv * self.run_cached[run]
-            self.place(run, placed, work)
+                prefill += self.dev.prefill_s(self.run_cached[run])
+            self.place(run, placed, work, prefill)
             return
         self.run_where[run] = _QUEUED
         if front:
-            self.queue.appendleft((run, work, warm))
+            self.queue.appendleft((run, work, warm, prefill))
         else:
-            self.queue.append((run, work, warm))
+            self.queue.append((run, work, warm, prefill))
 
-    def place(self, run: int, cid: int, work: float) -> None:
+    def place(self, run: int, cid: int, work: float, prefill: float = 0.0) -> None:
         e = self.engines[cid]
         self.advance(e)
-        if not e.heap:
-            e.clock = 0.0  # keeps service clocks small; nothing depends on the old reading
-        heapq.heappush(e.heap, (e.clock + work, run))
         self.run_where[run] = cid
         need = self.ctx_of(run)
-        e.ctx += need
+        self.run_placed[run] += 1
+        if prefill > 0:
+            # The engine's prefill server: one prompt at a time at compute speed; the call
+            # holds its slot and KV meanwhile and decodes once its prompt is in.
+            start = max(self.now, e.pf_until)
+            e.pf_until = start + prefill
+            e.pf[run] = (self.run_placed[run], work)
+            e.pf_ctx += need
+            self.push(e.pf_until, _PREFILLED, run, self.run_placed[run])
+        else:
+            self.decode(run, cid, work)
         if self.kv_cap:
             self.unpark(run)
             # Make room: evict the runs parked longest (their prefix is prefilled again later).
@@ -254,6 +283,25 @@ class FleetSim:
             self.run_start[run] = self.now
             self.run_deadline[run] = self.now + self.w.run.timeout_s
             self.push(self.run_deadline[run], _DEADLINE, run)
+
+    def decode(self, run: int, cid: int, work: float) -> None:
+        e = self.engines[cid]
+        if not e.heap:
+            e.clock = 0.0  # keeps service clocks small; nothing depends on the old reading
+        heapq.heappush(e.heap, (e.clock + work, run))
+        e.ctx += self.ctx_of(run)
+
+    def on_prefilled(self, run: int, placed: int) -> None:
+        cid = self.run_where[run]
+        if cid < 0 or self.run_placed[run] != placed:
+            return   # moved or cut while prefilling
+        e = self.engines[cid]
+        self.advance(e)
+        _, work = e.pf.pop(run)
+        e.pf_ctx = e.pf_ctx - self.ctx_of(run) if e.pf else 0.0
+        self.decode(run, cid, work)
+        self.reschedule(cid)
+        self.touch(self.cells[cid])
 
     def park(self, run: int, cid: int) -> None:
         """A call ended: its KV stays on the engine while the run is in its tool call."""
@@ -277,8 +325,8 @@ class FleetSim:
     def drain_queue(self) -> None:
         while self.queue:
             before = len(self.queue)
-            run, work, warm = self.queue.popleft()
-            self.route(run, work, front=True, warm=warm)
+            run, work, warm, prefill = self.queue.popleft()
+            self.route(run, work, front=True, warm=warm, prefill=prefill)
             if len(self.queue) >= before:
                 break
 
@@ -329,7 +377,8 @@ class FleetSim:
             self.finish_run(run, cut=True)
             return
         b = self.batches[self.run_batch[run]]
-        self.route(run, b.work[run - self.run_base[b.step]][self.run_idx[run]])
+        i, k = run - self.run_base[b.step], self.run_idx[run]
+        self.route(run, b.work[i][k], prefill=b.prefill_s[i][k])
 
     def on_deadline(self, run: int) -> None:
         """The run's wall-clock limit: whatever it is doing stops, and what it generated of
@@ -339,7 +388,14 @@ class FleetSim:
         where = self.run_where[run]
         b = self.batches[self.run_batch[run]]
         i, k = run - self.run_base[b.step], self.run_idx[run]
-        if where >= 0:
+        if where >= 0 and run in self.engines[where].pf:
+            e = self.engines[where]       # cut while its prompt is prefilled: nothing generated
+            self.advance(e)
+            del e.pf[run]
+            e.pf_ctx = e.pf_ctx - b.ctx[i][k] if e.pf else 0.0
+            self.reschedule(where)
+            self.touch(self.cells[where])
+        elif where >= 0:
             e = self.engines[where]
             self.advance(e)
             pos = next(j for j, (_, r) in enumerate(e.heap) if r == run)
@@ -373,6 +429,7 @@ class FleetSim:
             calls=min(self.run_idx[run] * self.w.run.coarsen, b.calls[i]), migrations=self.run_migrations[run],
             policy_version=self.batch_version[step]))
         self.group_tokens[g] += self.run_tokens[run]
+        self.finished_tokens += self.run_tokens[run]
         self.group_left[g] -= 1
         if self.group_left[g] == 0:
             # Advantages are normalised within the group, so its runs train once all are in.
@@ -399,7 +456,8 @@ class FleetSim:
             run = self.pending.popleft()
             self.active.add(run)
             b = self.batches[self.run_batch[run]]
-            self.route(run, b.work[run - self.run_base[b.step]][0])
+            i = run - self.run_base[b.step]
+            self.route(run, b.work[i][0], prefill=b.prefill_s[i][0])
         if not self.pending:
             self.try_start_batch()
 
@@ -437,6 +495,7 @@ class FleetSim:
             self.run_done.append(False)
             self.run_home.append(-1)
             self.run_cached.append(0.0)
+            self.run_placed.append(0)
         self.next_batch = step + 1
         self.event_rows.append(EventRow(self.now, "batch_start", step, f"{b.runs} runs, weights v{self.version}"))
         self.pending.extend(range(base, base + b.runs))
@@ -456,7 +515,7 @@ class FleetSim:
         self.trainer_advance()
         replicas = sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching)
         t = self.w.train
-        self.tr_rate = replicas * t.tokens_per_s * (1.0 - t.dp_sync_overhead if replicas > 1 else 1.0)
+        self.tr_rate = t.rate(replicas)
         self.tr_stamp += 1
         if self.tr_avail <= _EPS:
             self.tr_avail = 0.0
@@ -505,19 +564,13 @@ class FleetSim:
             self.decide_pending = True
             self.push(self.now, _DECIDE, 0)
 
-    def tail(self) -> list[int]:
-        """The runs expected to finish last: the top ``tail_fraction`` of started, unfinished
-        runs by expected remaining time (at least one). The simulator knows each run's
-        sampled remaining calls and tool times; a runtime estimates them from its runs'
-        progress, which is what the policy input stands for either way."""
-        if not self.active:
-            return []
-        rest = []
-        for run in self.active:
-            b = self.batches[self.run_batch[run]]
-            rest.append((b.rest_s[run - self.run_base[b.step]][self.run_idx[run]], run))
-        k = max(1, math.ceil(self.w.tail_fraction * len(rest)))
-        return [run for _, run in heapq.nlargest(k, rest)]
+    def tail(self) -> set[int]:
+        """The runs expected to finish last, ranked by the runtime's own estimator from what
+        a controller observes (when each run started, its calls so far), never from the
+        run's sampled future."""
+        c = self.w.run.coarsen
+        return tail_runs({run: RunProgress(self.run_start[run] if self.run_start[run] >= 0 else math.inf,
+                                           self.run_idx[run] * c) for run in self.active}, self.w.tail_fraction)
 
     def cluster_state(self) -> ClusterState:
         tps = self.w.train.tokens_per_s
@@ -532,16 +585,17 @@ class FleetSim:
         cache = self.cell_state_cache
         for c in self.cells:
             e = self.engines[c.id]
-            n = len(e.heap)
+            n = e.resident
             inflight += n
             nt = tail_on.get(c.id, 0)
-            key = (c.role, c.switching, n, int(e.ctx + e.parked_ctx), nt)
+            key = (c.role, c.switching, n, int(e.ctx + e.pf_ctx + e.parked_ctx), nt, len(e.heap))
             hit = cache.get(c.id)
             if hit is None or hit[0] != key:
                 # CellState is frozen; building 64 of them every epoch was a fifth of the run time
                 hit = cache[c.id] = (key, CellState(
                     cell=c.id, kind=c.kind, role=c.role, switching=c.switching, inflight_requests=n,
-                    inflight_tokens=int(e.ctx + e.parked_ctx), rollout_tokens_per_s=n * self.per_seq[n] if n else 0.0,
+                    inflight_tokens=int(e.ctx + e.pf_ctx + e.parked_ctx),
+                    rollout_tokens_per_s=self.decode_tokens_per_s(e),
                     train_tokens_per_s=tps, tail_requests=nt, kv_capacity_tokens=self.kv_cap))
             cells.append(hit[1])
         self.trainer_advance()
@@ -564,6 +618,8 @@ class FleetSim:
             policy_version=self.version, oldest_rollout_version=min(rolling, default=self.version),
             demand_over_capacity_s=self.now - self.over_since if self.over_since is not None else 0.0,
             tail_runs=len(tail),
+            expected_train_tokens=int(sum(self.unfinished.values()) * self.finished_tokens / self.runs_finished)
+            if self.runs_finished else 0,
             rollout_to_train_s=self.w.fleet.rollout_to_train_s, train_to_rollout_s=self.w.fleet.train_to_rollout_s)
 
     def on_decide(self, periodic: int) -> None:
@@ -615,6 +671,15 @@ class FleetSim:
         moved = [(run, max(fin - e.clock, 0.0)) for fin, run in sorted(e.heap)]
         e.heap.clear()
         e.ctx = 0.0
+        # Calls still prefilling move too; their prompt is prefilled again where they land.
+        b_of = self.batches
+        prefilling = []
+        for run, (_, work) in e.pf.items():
+            b = b_of[self.run_batch[run]]
+            prefilling.append((run, work, b.prefill_s[run - self.run_base[b.step]][self.run_idx[run]]))
+        e.pf.clear()
+        e.pf_ctx = 0.0
+        e.pf_until = self.now
         # Runs away in a tool call take their cached prefix along too: no prefill on return.
         for run in e.parked:
             self.run_home[run] = -1
@@ -625,6 +690,9 @@ class FleetSim:
         for run, left in moved:
             self.run_migrations[run] += 1
             self.route(run, left, front=True, warm=True)
+        for run, work, prefill in prefilling:
+            self.run_migrations[run] += 1
+            self.route(run, work, front=True, warm=True, prefill=prefill)
 
     def on_switch(self, cid: int) -> None:
         c = self.cells[cid]
@@ -644,11 +712,11 @@ class FleetSim:
         per_replica = self.tr_rate / max(1, sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching))
         for c in self.cells:
             e = self.engines[c.id]
-            n = len(e.heap)
+            n = len(e.heap)   # sequences decoding (a call prefilling moves no decode tokens)
             if c.switching:
                 tps = 0.0
             elif c.role is Role.ROLLOUT:
-                tps = n * self.per_seq[n] if n else 0.0
+                tps = self.decode_tokens_per_s(e)
             else:
                 # A replica's "in flight" is the work in hand: a micro-batch, or the optimizer
                 # step (which moves no tokens but keeps the GPUs busy).
@@ -674,7 +742,7 @@ class FleetSim:
         self.push(self.w.decision_interval_s, _DECIDE, 1)
         self.try_start_batch()
         events = self.events
-        on_engine, on_tool, on_deadline = self.on_engine, self.on_tool, self.on_deadline
+        on_engine, on_tool, on_deadline, on_prefilled = self.on_engine, self.on_tool, self.on_deadline, self.on_prefilled
         rare = {_SWITCH: lambda a, b: self.on_switch(a), _DRAIN: lambda a, b: self.on_drain(a),
                 _OPT: lambda a, b: self.on_opt(), _DECIDE: lambda a, b: self.on_decide(a),
                 _LAUNCH: lambda a, b: self.on_launch(a), _SAMPLE: lambda a, b: self.on_sample()}
@@ -683,11 +751,13 @@ class FleetSim:
             t, _, kind, a, b = heapq.heappop(events)
             self.now = t
             n += 1
-            # the three kinds that make up nearly all events are dispatched without a lookup
+            # the four kinds that make up nearly all events are dispatched without a lookup
             if kind == _ENGINE:
                 on_engine(a, b)
             elif kind == _TOOL:
                 on_tool(a)
+            elif kind == _PREFILLED:
+                on_prefilled(a, b)
             elif kind == _DEADLINE:
                 on_deadline(a)
             else:
@@ -732,13 +802,21 @@ def simulate(w: Workload, policy: Policy, policy_name: str) -> SimResult:
 
 def policy_for(w: Workload, name: str, **params) -> Policy:
     """The registry's policy (any name ``gyre_hpc.sched.registry`` knows), with the inputs
-    the workload knows better: async's configured split, elastic's target occupancy and
-    its training-rate prior set from the workload's training speed."""
+    the workload knows better: async's configured split, and elastic's parameters from
+    ``w.policy.elastic`` with its target occupancy, KV figure and training-rate prior sized
+    from the workload's engine and trainer unless the workload sets them."""
+    import dataclasses
+
+    from gyre_hpc.sched.elastic import ElasticParams
     from gyre_hpc.sched.registry import get_policy
     if name == "async":
         params.setdefault("train_cells", w.async_split())
         params.setdefault("max_staleness", w.fleet.async_max_staleness)
     elif name == "elastic":
+        default, given = ElasticParams(), w.policy.elastic
+        for f in dataclasses.fields(ElasticParams):
+            if getattr(given, f.name) != getattr(default, f.name):
+                params.setdefault(f.name, getattr(given, f.name))
         params.setdefault("target_requests_per_engine", w.engine.target_seqs())
         params.setdefault("default_train_tokens_per_s", w.train.tokens_per_s)
         params.setdefault("kv_tokens_per_engine", w.engine.kv_capacity_tokens())

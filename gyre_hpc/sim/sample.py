@@ -1,5 +1,5 @@
 """A small recorded sample for the analysis notebooks: tiny simulated runs of each policy,
-a tiny sweep, and a trees.zarr of synthetic agent journals (built and stored by the real
+a tiny sweep, a tiny sensitivity band, and a trees.zarr of synthetic agent journals (built and stored by the real
 tree builder and store), so every notebook has something to open in seconds."""
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 from gyre_hpc.sim.compare import compare
+from gyre_hpc.sim.sensitivity import sensitivity
 from gyre_hpc.sim.sweep import sweep
 from gyre_hpc.sim.workload import preset
 
 SWEEP_FILE = "sweep.json"
+SENSITIVITY_FILE = "sensitivity.json"
 TREES_RUN = "synthetic_trees"
 
 
@@ -21,6 +23,7 @@ def make_sample(out: str | Path, steps: int = 3) -> Path:
     w = dataclasses.replace(preset("tiny"), steps=steps)
     compare(w, out=out / "runs")
     (out / SWEEP_FILE).write_text(json.dumps(sweep(dataclasses.replace(w, steps=2)), indent=2))
+    (out / SENSITIVITY_FILE).write_text(json.dumps(sensitivity(w, steps=2, seeds=(0, 1), workers=1), indent=2))
     write_synthetic_trees(out / TREES_RUN, steps)
     return out
 
@@ -36,7 +39,7 @@ def write_synthetic_trees(run_dir: Path, steps: int) -> None:
     if rd.trees.exists():
         import shutil
         shutil.rmtree(rd.trees)
-    with TreeStore.open(rd.trees, "a", fsync=False) as store:
+    with TreeStore.open(rd.trees, "a", durable=False) as store:
         for step in range(steps):
             trees = [build_tree(r.journal, run_id=f"s{step}-{r.run_id}", task_id=r.task_id, reward=r.reward,
                                 policy_version=step)

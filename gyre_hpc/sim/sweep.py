@@ -16,9 +16,10 @@ from gyre_hpc.sim.workload import Workload
 
 
 def with_cells(w: Workload, cells: int) -> Workload:
-    """The same workload on ``cells`` cells, the async split kept as the same share."""
+    """The same workload on ``cells`` cells, the async split kept as the same share (never
+    below the cells that hold the training state)."""
     share = w.fleet.async_train_cells / w.fleet.cells
-    k = max(1, min(cells - 1, round(cells * share)))
+    k = max(1, w.core_cells, min(cells - 1, round(cells * share)))
     return scaled(w, **{"fleet.cells": cells, "fleet.async_train_cells": k})
 
 
@@ -31,7 +32,8 @@ def sweep_points(base: Workload) -> list[tuple[str, object, Workload]]:
     for sigma in (0.2, 0.5, 0.8, 1.1):
         points.append(("tail_sigma", sigma, scaled(base, **{"run.calls": dataclasses.replace(r.calls, sigma=sigma)})))
     for cells in sorted({max(4, f.cells // 4), max(4, f.cells // 2), f.cells, f.cells * 2}):
-        points.append(("cells", cells, with_cells(base, cells)))
+        if cells - 1 - f.rollout_only > base.core_cells:   # room for an engine beside the training state
+            points.append(("cells", cells, with_cells(base, cells)))
     for k in (0.0, 10.0, 60.0):
         points.append(("switch_cost_x", k, scaled(base, **{"fleet.rollout_to_train_s": f.rollout_to_train_s * k,
                                                          "fleet.train_to_rollout_s": f.train_to_rollout_s * k})))

@@ -2,10 +2,9 @@
 
 Why a separate ``commit.json`` instead of group attributes: the writer must be able to
 publish "these rows are complete" with one atomic step *after* every chunk is on disk. The
-marker is written to a temporary file, fsynced and renamed over the old one, so a reader (or
-a writer relaunched after a crash) sees either the previous commit or the new one, never a
-mixture. Rows beyond the marker's lengths are invisible and get truncated on the next open
-for writing.
+marker is replaced whole (``fsio.write_bytes``), so a reader (or a writer relaunched after a
+crash) sees either the previous commit or the new one, never a mixture. Rows beyond the
+marker's lengths are invisible and get truncated on the next open for writing.
 
 It also carries a crc32c per chunk of every array, taken over the *committed values* of
 that chunk (``store_schema.canonical_bytes``). Values, not stored bytes: the trailing
@@ -17,7 +16,6 @@ stored bytes before decompression.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +23,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from gyre_hpc import fsio
 from gyre_hpc.trees.store_schema import (
     READ_VERSIONS, SCHEMA_VERSION, ArraySpec, arrays_of, canonical_bytes, dims_of,
 )
@@ -133,27 +132,10 @@ def chunk_checksum(values: np.ndarray, spec: ArraySpec) -> int:
     return crc32c.crc32c(canonical_bytes(values, spec))
 
 
-def write_marker(root: Path, marker: CommitMarker, fsync: bool = True) -> None:
-    """Publish ``marker`` atomically: temp file, fsync, rename, fsync the directory."""
-    path = marker_path(root)
-    tmp = path.parent / f".{MARKER_NAME}.{os.getpid()}.tmp"
+def write_marker(root: Path, marker: CommitMarker, durable: bool = True) -> None:
+    """Publish ``marker``: readers see the previous commit or this one, never a mixture."""
     data = json.dumps(marker.to_json(), separators=(",", ":")).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsio.write_bytes(marker_path(root), data, durable=durable)
 
 
 def read_marker(root: Path) -> CommitMarker:

@@ -5,7 +5,8 @@ the suite's tasks and playbooks, the harness settings from ``rollout``, the mode
 architecture (vocabulary size included, read from the built model, never assumed), a
 tokenizer fingerprint (the ids of the system prompt and of a formatted tool call, so a new
 tokenizer or call syntax gets a new checkpoint) and the SFT settings. Building writes into
-a scratch directory renamed into place, so a half-built checkpoint is never picked up.
+a scratch directory renamed into place (``fsio.replace_dir``), so a half-built checkpoint is
+never picked up and a rebuild never leaves the cache without one.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gyre_hpc import fsio
 from gyre_hpc.config import ConfigError, RunConfig
 from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
@@ -108,6 +110,7 @@ def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
     """The cached checkpoint for ``cfg`` (built now if missing); its directory."""
     root = Path(cfg.warmstart.cache_dir)
     final = root / warmstart_key(cfg)
+    fsio.recover_dir(final)     # a rebuild killed between its renames left the old one aside
     if cached_warmstart(cfg) is not None and not force:
         log(f"[warmstart] using cached {final}")
         return final
@@ -115,9 +118,7 @@ def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
     scratch = root / f".{final.name}.{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     build_warmstart(cfg, scratch, final.name, log=log)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(scratch, final)
+    fsio.replace_dir(scratch, final)
     log(f"[warmstart] checkpoint {final}")
     return final
 

@@ -116,7 +116,7 @@ def test_tree_savings_counts_each_calls_full_context(tmp_path):
     # Two calls sharing a 4-token prompt: call 2's prompt repeats call 1's prompt and output.
     c1 = ModelCall(prompt=np.array([1, 2, 3, 4]), output=np.array([5, 6]), logprobs=np.zeros(2, np.float32))
     c2 = ModelCall(prompt=np.array([1, 2, 3, 4, 5, 6, 7]), output=np.array([8, 9, 10]), logprobs=np.zeros(3, np.float32))
-    with TreeStore.open(tmp_path / "trees.zarr", "a", fsync=False) as store:
+    with TreeStore.open(tmp_path / "trees.zarr", "a", durable=False) as store:
         store.append([build_tree([c1, c2], run_id="r", task_id="t", reward=1.0)])
     sav = tree_savings(open_trees(tmp_path / "trees.zarr"))
     assert int(sav["tree_tokens"][0]) == 10               # every distinct token once

@@ -1,5 +1,7 @@
 """Checkpoint directories, the latest pointer and pruning, on a real filesystem."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -74,3 +76,26 @@ def test_a_step_dir_latest_never_named_is_replaced_by_the_rerun(tmp_path):
     # Sealing the step latest already names again keeps what latest points at.
     save(tmp_path, 2, value=9.0)
     assert torch.equal(ck.load_state(ck.latest_dir(tmp_path))["w"], torch.full((3,), 7.0))
+
+
+KILLED_RENAMING_IN = """
+import os, sys, torch
+from gyre_hpc.cells import checkpoint as ck
+root, real_rename = sys.argv[1], os.rename
+os.rename = lambda src, dst: os._exit(9) if dst.name == "step-00000002" else real_rename(src, dst)
+ck.write_state(ck.staging_dir(root, 2), {"w": torch.full((3,), 6.0)})
+ck.commit(root, 2, ck.CheckpointMeta(step=2, policy_version=2, roles={}))
+"""
+
+
+def test_a_writer_killed_between_the_renames_of_a_rerun_step_leaves_readers_whole(tmp_path):
+    save(tmp_path, 1)
+    save(tmp_path, 2, value=5.0)
+    (tmp_path / "latest").write_text("step-00000001\n")    # killed before repointing latest
+    rerun = subprocess.run([sys.executable, "-c", KILLED_RENAMING_IN, str(tmp_path)], timeout=120)
+    assert rerun.returncode == 9                           # the old step 2 aside, the new one not in
+    assert ck.latest_dir(tmp_path).name == "step-00000001"
+    assert [p.name for p in ck.complete_dirs(tmp_path)] == ["step-00000001"]
+    save(tmp_path, 2, value=7.0)                           # the next relaunch reruns step 2
+    assert torch.equal(ck.load_state(ck.latest_dir(tmp_path))["w"], torch.full((3,), 7.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001", "step-00000002"]

@@ -106,9 +106,27 @@ def test_an_exception_on_one_rank_ends_the_whole_fleet_and_a_relaunch_runs_each_
     assert read_table(run / "metrics.h5", "steps")["step"].tolist() == []   # step 1 was never sealed
 
     # The supervisor's relaunch reruns step 1 (nothing sealed it) and writes each step's row once.
-    ok(mpiexec(4, ["-m", "gyre_hpc.cells", "--run-dir", str(run)], timeout=150))
+    ok(mpiexec(4, ["-m", "gyre_hpc.substrate", "--run-dir", str(run)], timeout=150))
     assert read_table(run / "metrics.h5", "steps")["step"].tolist() == [1, 2, 3, 4]
     assert [p.name for p in ck.complete_dirs(run / "checkpoints")] == ["step-00000002", "step-00000004"]
+
+
+def test_a_sealed_steps_row_a_kill_kept_out_of_metrics_is_restored_from_its_checkpoint(tmp_path):
+    """Killed right after checkpoint 2 committed and before its step row was appended: the
+    checkpoint carries the row (cells.step_rows), and the next start writes it, once."""
+    from gyre_hpc.cells.step_rows import STEP_ROWS_FILE
+    from gyre_hpc.rundir.metrics import MetricsWriter, StepRow
+
+    run = make_run_dir(tmp_path / "run", train={"steps": 2})
+    ok(mpiexec(4, ["-m", "gyre_hpc.substrate", "--run-dir", str(run)], timeout=150))
+    latest = ck.latest_dir(run / "checkpoints")
+    assert STEP_ROWS_FILE in ck.read_meta(latest).files and (latest / STEP_ROWS_FILE).is_file()
+    kept = read_table(run / "metrics.h5", "steps")
+    (run / "metrics.h5").unlink()             # as the kill left it: step 1's row only
+    with MetricsWriter(run / "metrics.h5") as m:
+        m.add(StepRow(step=1, time=float(kept["time"][0]), wall_s=float(kept["wall_s"][0])))
+    ok(mpiexec(4, ["-m", "gyre_hpc.substrate", "--run-dir", str(run)], timeout=150))   # nothing left to train
+    assert read_table(run / "metrics.h5", "steps")["step"].tolist() == [1, 2]
 
 
 def test_a_rank_that_stops_answering_fails_the_fleet_instead_of_hanging_it(tmp_path):
@@ -134,7 +152,7 @@ def test_checkpoint_and_exit_gives_75_then_resume_runs_each_step_once(tmp_path):
 
     # The supervisor clears the request and relaunches the plain entry point.
     (run / "control" / "checkpoint-and-exit").unlink()
-    ok(mpiexec(4, ["-m", "gyre_hpc.cells", "--run-dir", str(run)], timeout=150))
+    ok(mpiexec(4, ["-m", "gyre_hpc.substrate", "--run-dir", str(run)], timeout=150))
     assert read_table(run / "metrics.h5", "steps")["step"].tolist() == [1, 2, 3, 4, 5, 6]
     events = read_table(run / "metrics.h5", "events")
     resume = [i for i, e in enumerate(events["event"]) if e == "fleet_resume"]
@@ -144,13 +162,13 @@ def test_checkpoint_and_exit_gives_75_then_resume_runs_each_step_once(tmp_path):
     assert len(ck.complete_dirs(run / "checkpoints")) == 2
 
     # Launching again after the last step has nothing to do and says so with exit 0.
-    ok(mpiexec(4, ["-m", "gyre_hpc.cells", "--run-dir", str(run)], timeout=150))
+    ok(mpiexec(4, ["-m", "gyre_hpc.substrate", "--run-dir", str(run)], timeout=150))
     assert read_table(run / "metrics.h5", "steps")["step"].tolist() == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_world_that_does_not_fit_the_plan_is_refused_by_name(tmp_path):
     run = make_run_dir(tmp_path / "run")
-    proc = mpiexec(3, ["-m", "gyre_hpc.cells", "--run-dir", str(run)], timeout=90)
+    proc = mpiexec(3, ["-m", "gyre_hpc.substrate", "--run-dir", str(run)], timeout=90)
     assert proc.returncode != 0
     assert "cells.count=3 x cells.ranks_per_cell=1 + 1 controller needs 4" in proc.stderr
 

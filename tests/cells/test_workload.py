@@ -4,9 +4,9 @@ import torch
 
 from gyre_hpc.cells.checkpoint import CheckpointError
 from gyre_hpc.cells.fleet import resolve_policy
-from gyre_hpc.cells.workload import load_into as _load_into
+from gyre_hpc.cells.rank_state import load_into as _load_into
 from gyre_hpc.cells.weights import state_bytes, state_checksum
-from gyre_hpc.cells.workload import SubstrateWorkload
+from gyre_hpc.substrate.workload import SubstrateWorkload
 from gyre_hpc.config import build_config
 from gyre_hpc.sched.scripted import scripted_policy
 

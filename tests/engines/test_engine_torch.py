@@ -87,6 +87,48 @@ def test_max_batch_bounds_the_running_batch_and_load_counts_outstanding_tokens(m
     assert len(run_all(e)) == 4
 
 
+def test_a_full_engine_queues_a_moved_sequence_with_its_kv_instead_of_failing(model_dir):
+    """A released engine's sequences moving to an engine whose slots are all taken (an async
+    split of one engine took them all at start: SlotKVCache ran out of rows and the rank
+    died). The moved one waits for a slot, then continues exactly, with no prefill."""
+    src, dst = TorchEngine.from_pretrained(model_dir, name="src"), TorchEngine.from_pretrained(model_dir, max_batch=2)
+    reference = src.generate(Request("ref", prompt(5), greedy(12)))
+    for i in range(2):
+        dst.submit(Request(f"busy{i}", prompt(i), greedy(6)))
+    dst.step()
+    src.submit(Request("moved", prompt(5), greedy(12)))
+    step_until(src, "moved", 4)
+    state = src.kv_export("moved")
+    assert state.prefilled
+    prefilled = dst.counters().prefill_tokens
+    dst.kv_import(state)
+    assert (dst.load().running, dst.load().queued) == (2, 1)
+    out = run_all(dst)
+    assert out["moved"].token_ids == reference.token_ids
+    assert dst.counters().prefill_tokens == prefilled        # the queued KV was written, not recomputed
+
+
+def test_an_engine_wider_than_32_holds_all_its_sequences(model_dir):
+    e = TorchEngine.from_pretrained(model_dir, max_batch=40)
+    for i in range(40):
+        e.submit(Request(f"w{i}", prompt(i % 5), greedy(3)))
+    e.step()
+    assert e.load().running == 40
+    assert len(run_all(e)) == 40
+
+
+def test_an_unpaced_engine_keeps_no_record_per_model_call(model_dir):
+    """The per-step prefill record (the pace's input) is reset every step, paced or not: an
+    engine serving a long job must not hold one entry per call it ever prefilled
+    (``bench load`` found 456 entries per engine after 768 calls)."""
+    e = TorchEngine.from_pretrained(model_dir)
+    for i in range(50):
+        e.submit(Request(f"c{i}", prompt(i % 5), greedy(2)))
+        run_all(e)
+    assert e.counters().requests_finished == 50
+    assert len(e._step_prefills) <= 1
+
+
 def test_request_beyond_max_position_is_refused_naming_the_fields(model_dir):
     e = TorchEngine.from_pretrained(model_dir)
     limit = e.model.config.max_position

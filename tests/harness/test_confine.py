@@ -473,3 +473,24 @@ def test_a_mount_that_cannot_be_made_read_only_fails_the_jail_closed():
     finally:
         sp.run(["umount", str(mnt)])
         shutil.rmtree(base)
+
+
+def test_without_a_jail_model_commands_are_refused_naming_the_capability(ws, monkeypatch):
+    """Plain mode (no root, no user namespaces) is never silently weaker: refused unless allowed."""
+    from gyre_hpc.config import ConfigError, build_config
+    from gyre_hpc.harness import confine
+    from gyre_hpc.harness.loop import HarnessConfig
+    from gyre_hpc.rl.preflight import check_config
+
+    monkeypatch.setattr(confine, "isolation_mode", lambda: "plain")
+    with pytest.raises(confine.ConfinementError, match=r"user namespace .*rollout.allow_unconfined"):
+        run_confined("echo hi", ws)
+    assert run_confined("echo hi", ws, Limits(allow_unconfined=True)).output == b"hi\n"
+    cfg = build_config({"workload": "rl"})
+    with pytest.raises(ConfigError, match=r"rollout.allow_unconfined=false: model-written commands need a jail"):
+        check_config(cfg)
+    allowed = build_config({"workload": "rl", "rollout": {"allow_unconfined": True}})
+    check_config(allowed)
+    h = HarnessConfig.from_rollout(allowed.rollout)
+    assert h.command_limits.allow_unconfined and h.check_limits.allow_unconfined
+    assert not HarnessConfig.from_rollout(cfg.rollout).command_limits.allow_unconfined

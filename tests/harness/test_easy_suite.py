@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gyre_hpc.engines.torch_engine import TorchEngine
-from gyre_hpc.harness.engine_client import EngineDriver
+from gyre_hpc.harness.engine_client import EngineCalls
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import load_suite
 from gyre_hpc.harness.tokenizer import split_bytes
@@ -17,7 +17,7 @@ from gyre_hpc.models.tiny_lm import build_model
 
 def test_untrained_model_makes_partial_progress_on_the_easy_suite(tmp_path):
     torch.set_num_threads(1)
-    driver = EngineDriver(TorchEngine(build_model("tiny", seed=0)), temperature=1.0)
+    driver = EngineCalls(TorchEngine(build_model("tiny", seed=0)), temperature=1.0)
     cfg = HarnessConfig(max_new_tokens=32, context_limit=512)
     jobs = [(task, g) for task in load_suite("easy") for g in range(4)]
 
@@ -47,7 +47,7 @@ def test_tiny_model_learns_the_easy_task_in_a_few_policy_gradient_steps(tmp_path
     task = next(t for t in load_suite("easy") if t.task_id == "answer-short")
     policy = build_model("tiny", seed=0)
     engine = TorchEngine(build_model("tiny", seed=0))
-    driver = EngineDriver(engine, temperature=1.0)
+    driver = EngineCalls(engine, temperature=1.0)
     opt = torch.optim.Adam(policy.parameters(), lr=5e-2)
     cfg = HarnessConfig(max_new_tokens=24, context_limit=512)
     group = 16
@@ -82,7 +82,7 @@ def test_engine_failure_fails_the_run_but_still_scores_and_journals_it(tmp_path)
 
     engine = TorchEngine(build_model("tiny", seed=0))
     engine.sleep()                     # a real engine state in which submit refuses work
-    driver = EngineDriver(engine, temperature=0.0)
+    driver = EngineCalls(engine, temperature=0.0)
     task = load_suite("easy")[0]
     r = asyncio.run(AgentRun(task, tmp_path / "ws", driver.client(0), tmp_path / "j.jsonl",
                              HarnessConfig(max_new_tokens=16, context_limit=512)).run())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gyre_hpc.engines.torch_engine import TorchEngine
-from gyre_hpc.harness.engine_client import EngineDriver
+from gyre_hpc.harness.engine_client import EngineCalls
 from gyre_hpc.harness.journal import load_journal
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tokenizer import PAD
@@ -74,7 +74,7 @@ def trained(tmp_path_factory):
 
 
 def _run(model, tmp_path, name, temperature=0.0, run_seed=0):
-    driver = EngineDriver(TorchEngine(model), temperature=temperature)
+    driver = EngineCalls(TorchEngine(model), temperature=temperature)
     run = AgentRun(HI_TASK, tmp_path / f"ws-{name}", driver.client(run_seed), tmp_path / f"{name}.jsonl", CFG,
                    run_id=name)
     return asyncio.run(run.run())
@@ -114,7 +114,7 @@ def test_journal_logprobs_are_the_models_own(trained, tmp_path):
 def test_concurrent_runs_batch_on_one_engine_and_seeded_sampling_replays(trained, tmp_path):
     model, _ = trained
     engine = TorchEngine(model)
-    driver = EngineDriver(engine, temperature=1.0)
+    driver = EngineCalls(engine, temperature=1.0)
 
     async def main(seeds, tag):
         runs = [AgentRun(HI_TASK, tmp_path / f"ws-{tag}{k}", driver.client(s), tmp_path / f"{tag}{k}.jsonl", CFG,

@@ -1,6 +1,6 @@
 """The head job on the real local Slurm cluster, running the real fleet on examples/smoke.yaml.
 
-sbatch het job -> supervisor -> one het step `srun --het-group` -> `python -m gyre_hpc.cells`.
+sbatch het job -> supervisor -> one het step `srun --het-group` -> `python -m gyre_hpc.substrate`.
 Kill a step, kill it too often, USR2 the batch step: each must end in the state the contract
 promises, read back from Slurm (scontrol) and from the run's metrics.h5.
 """
@@ -131,3 +131,44 @@ def test_time_limit_warning_reaches_the_head_and_requeues(tmp_path):
     assert requeue and requeue[0] >= 1, evidence(run_dir)
     assert resume and resume == requeue[:len(resume)], evidence(run_dir)
     assert "USR2: checkpointed at step" in out.read_text()
+
+
+def test_a_head_sigkilled_outside_a_batch_step_takes_its_slurm_fleet_along_and_a_rerun_starts(tmp_path):
+    """`gyre-hpc run` on a login node (launcher slurm, no batch job): SIGKILL the head, and its
+    srun step must end by itself (the fleet's lease on the head runs out: checkpoint and exit),
+    so a rerun is not refused by a step nobody owns, and it resumes to the end."""
+    import os
+    import signal
+    import time
+
+    from tests.jobs.slurm_jobs import wait_for as _wait
+
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-c", "from gyre_hpc.cli import main; main()", "run", SMOKE, "--set", "launcher=slurm", "--set",
+            f"run_dir={run_dir}", "--set", "train.steps=40", "--set", "supervise.head_lease_s=4"]
+    log = open(tmp_path / "head.log", "w")
+    head = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        step_id = _wait(lambda: fleet_step(run_dir, 1), 120, "the fleet's Slurm step", log=tmp_path / "head.log")
+        _wait(lambda: checkpoint_step(run_dir) >= 1, 120, "a first checkpoint", log=tmp_path / "head.log")
+        os.kill(head.pid, signal.SIGKILL)
+        head.wait()
+        t0 = time.monotonic()
+
+        def gone():
+            out = subprocess.run(["scontrol", "show", "step", step_id], capture_output=True, text=True)
+            return out.returncode != 0 or f"StepId={step_id}" not in out.stdout
+        _wait(gone, 90, f"Slurm step {step_id} to end after its head died", log=tmp_path / "head.log")
+        ended_s = time.monotonic() - t0
+        names = [e for e, _, _ in events(run_dir)]
+        assert "head_gone" in names, names
+        assert ended_s < 90
+    finally:
+        if head.poll() is None:
+            head.kill()
+        log.close()
+    rerun = subprocess.run(argv[:-2] + ["--set", "supervise.head_lease_s=60"], cwd=REPO, capture_output=True,
+                           text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "REFUSED" not in rerun.stdout + rerun.stderr
+    assert steps(run_dir)[-1] == 40 and sorted(set(steps(run_dir))) == steps(run_dir)

@@ -7,6 +7,7 @@ fleet contract's rank layout.
 from __future__ import annotations
 
 import json
+from collections import Counter
 import re
 import signal
 import subprocess
@@ -76,9 +77,20 @@ class LauncherContract:
         pass
 
     def test_exit_code_reaches_the_handle(self, tmp_path):
-        handle, _, out = self.launch(tmp_path, "--exit-code", "75", "--sleep", "1")
-        assert handle.poll() is None
-        assert handle.wait(120) == 75
+        """The world's code, not 0 or a generic failure. A crash in MPI or srun teardown (SIGABRT,
+        SIGSEGV: 134, 139) after the code was decided was seen here once in ~200 such launches
+        (CI, an AMD host under load); srun 22.05's pmix teardown is known to die in a double
+        free. Such a launch is made once more, and only such a one; any other code fails."""
+        for attempt in (1, 2):
+            handle, _, out = self.launch(tmp_path / f"attempt{attempt}", "--exit-code", "75", "--sleep", "1")
+            assert handle.poll() is None
+            rc = handle.wait(120)
+            log = Path(handle.log_path).read_text()
+            if rc in (134, 139) and attempt == 1:
+                print(f"launch 1 ended {rc} (a crash in teardown), launching again:\n{log[-3000:]}")
+                continue
+            assert rc == 75, log[-3000:]
+            return
 
     def launch_sleeping(self, tmp_path):
         """A world whose ranks all sleep. Open MPI over PMIx in a het step has been seen here to
@@ -150,6 +162,25 @@ class TestSlurmLauncher(LauncherContract):
         assert handle.wait(60) != 0
 
 
+@pytest.mark.slurm
+class TestPackedSlurmLauncher(LauncherContract):
+    """More cells than nodes (examples/paper-local.yaml): one packed step, several ranks on a
+    virtual node. 6 ranks fill c1 (4 cpus) and spill onto c2, so two virtual nodes of this one
+    host hold the same local ranks: with Open MPI's shared-memory transport their segments
+    collided and ranks segfaulted in the first collective."""
+
+    cells = 5
+
+    def make(self):
+        cfg = build_config({"cells": {"count": self.cells, "mem_per_cell_mb": 200}, "launcher": "slurm"})
+        return SlurmLauncher(), fleet_plan.local_plan(cfg)
+
+    def check_placement(self, plan, reports):
+        assert plan.packed
+        per_node = Counter(r["node"] for r in reports)
+        assert len(per_node) < plan.world_size and max(per_node.values()) > 1   # cells share nodes
+
+
 def test_local_command_puts_components_in_rank_order():
     cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 2}})
     cmd = LocalLauncher().command(fleet_plan.local_plan(cfg), ["prog", "--x"])
@@ -176,6 +207,24 @@ def test_slurm_command_is_a_het_step_with_nodelists_in_an_allocation():
     assert blocks[1] == "--ntasks 1 --cpus-per-task 3 --nodes 2 --nodelist a2,a3 prog"
     assert blocks[2] == "--ntasks 1 --cpus-per-task 3 --nodes 2 --nodelist a4,a5 prog"
     assert "--mpi=pmi2" in cmd
+
+
+def test_slurm_command_gives_each_block_its_memory_so_cells_can_share_a_node():
+    """Without --mem a block gets Slurm's default, the whole node here (no DefMemPerNode), and a
+    het job's components never share a node, so 8 cells need 8 nodes; with cells.mem_per_cell_mb
+    and no placement the fleet is one step that Slurm packs (examples/paper-local.yaml)."""
+    cfg = build_config({"cells": {"count": 2, "mem_per_cell_mb": 400}})
+    packed = fleet_plan.local_plan(cfg)
+    assert packed.packed
+    assert SlurmLauncher().command(packed, ["prog"])[-6:] == [
+        "--cpus-per-task", "1", "--mem-per-cpu", "400M", "--distribution=block", "prog"]
+    # Blocks placed on named nodes stay a het step, each with its memory.
+    placed = fleet_plan.plan_for_nodes(cfg, ["a1", "a2", "a3"])
+    assert not placed.packed
+    blocks = " ".join(SlurmLauncher().command(placed, ["prog"])).split(" : ")
+    assert [b.count("--mem 400M") for b in blocks] == [1, 1, 1]
+    plain = " ".join(SlurmLauncher().command(fleet_plan.local_plan(build_config({"cells": {"count": 2}})), ["prog"]))
+    assert "--mem" not in plain
 
 
 def test_exit_status_maps_signals_to_128_plus_n():

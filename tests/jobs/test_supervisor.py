@@ -14,7 +14,7 @@ import pytest
 from gyre_hpc.config import build_config, load_config
 from gyre_hpc.jobs.launchers import LocalLauncher
 from gyre_hpc.jobs.plan import local_plan
-from gyre_hpc.jobs.supervisor import CHECKPOINT_AND_EXIT, Supervisor
+from gyre_hpc.jobs.supervisor import Supervisor
 from gyre_hpc.rundir.layout import RunDir
 from tests.jobs.slurm_jobs import REPO, checkpoint_step, events, steps
 
@@ -35,12 +35,12 @@ def test_prepare_writes_the_resolved_config_and_clears_a_stale_stop(tmp_path):
     cfg = build_config({"run_dir": "relative/run", "cells": {"count": 2}})
     sup = _sup(tmp_path, cfg)
     sup.run.make()
-    (sup.run.control / CHECKPOINT_AND_EXIT).touch()
+    sup.run.exit_request.touch()
     sup.prepare()
     written = load_config(sup.run.config)
     assert written.run_dir == str(sup.run.root) and Path(written.run_dir).is_absolute()
     assert written.cells.count == 2
-    assert not (sup.run.control / CHECKPOINT_AND_EXIT).exists()
+    assert not sup.run.exit_request.exists()
 
 
 @pytest.mark.mpi
@@ -75,7 +75,7 @@ def test_drain_kills_a_fleet_that_never_checkpoints(tmp_path):
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert drained and drained[0] != 0            # killed after the drain timeout
-    assert (sup.run.control / CHECKPOINT_AND_EXIT).exists()
+    assert sup.run.exit_request.exists()
     assert result.status == "stopped" and result.exit_code == 75  # no requeue function outside Slurm
     assert _names(sup.run.root) == ["launch", "requeue", "exit"]
 
@@ -108,7 +108,7 @@ def test_stop_request_checkpoints_the_real_fleet_requeues_and_the_next_start_res
     assert [s for e, s, _ in ev if e == "fleet_resume"] == [saved + 1]
     counts = Counter(steps(sup.run.root))
     assert sorted(counts) == list(range(1, 13)) and set(counts.values()) == {1}
-    assert not (sup.run.control / CHECKPOINT_AND_EXIT).exists()
+    assert not sup.run.exit_request.exists()
 
 
 def test_controllers_recorded_exit_wins_over_a_garbled_srun_code(tmp_path):

@@ -98,3 +98,9 @@ def test_invariant_forward_is_close_to_the_native_one():
 def test_a_layer_too_narrow_for_the_kernels_is_refused():
     with pytest.raises(ValueError, match="16"):
         inv.linear(torch.randn(3, 8), torch.randn(8, 8))
+
+
+def test_key_blocks_span_rounds_up_to_whole_blocks():
+    from gyre_hpc.models.invariant import KEY_BLOCK, key_blocks_span
+    assert key_blocks_span(0) == 0 and key_blocks_span(1) == KEY_BLOCK
+    assert key_blocks_span(KEY_BLOCK) == KEY_BLOCK and key_blocks_span(KEY_BLOCK + 1) == 2 * KEY_BLOCK

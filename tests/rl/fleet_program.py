@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 
-from gyre_hpc.cells.fleet import guard_world, run_fleet  # noqa: E402
+from gyre_hpc.cells.fleet import guard_world, main_guarded, run_fleet  # noqa: E402
 from gyre_hpc.config import load_config  # noqa: E402
-from gyre_hpc.rl.fleet import RLFleetOptions, fleet_options, main_guarded, rl_workload  # noqa: E402
+from gyre_hpc.rl.fleet import rl_options, rl_workload  # noqa: E402
 from gyre_hpc.rl.rank import RLRankHandler  # noqa: E402
 from gyre_hpc.rundir.layout import RunDir  # noqa: E402
 from gyre_hpc.sched.registry import policy_from_config  # noqa: E402
@@ -60,7 +60,7 @@ def stalling_fleet(run_dir: str, reply_timeout_s: float) -> int:
         h = wl.rank_handler(fs, cell_rank)
         return StallingHandler(h.trainer, h.engine, h.engine_comm, h.micro_batches)
 
-    options = fleet_options(RLFleetOptions(reply_timeout_s=reply_timeout_s))
+    options = rl_options(reply_timeout_s=reply_timeout_s)
     options = dataclasses.replace(options, workload=dataclasses.replace(wl, rank_handler=handler))
     return guard_world(lambda: run_fleet(run_dir, options), "rl fleet", MPI.COMM_WORLD)
 
@@ -80,8 +80,8 @@ def main() -> int:
     policy = None
     if args.policy == "migrate":
         policy = ReleaseWhileDecoding(policy_from_config(cfg.scheduler))
-    return main_guarded(args.run_dir, RLFleetOptions(policy=policy, verify_weights=args.verify,
-                                                       result_path=args.result))
+    return main_guarded(args.run_dir, rl_options(policy=policy, verify_weights=args.verify,
+                                                 result_path=args.result))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_bench_e2e_reports_each_policy_the_speedup_and_the_forecast(tmp_path):
 
 
 def test_repeat_spread_and_ratio_spread():
-    from gyre_hpc.bench.e2e import ratio_spread, spread
+    from gyre_hpc.bench.repeats import ratio_spread, spread
 
     s = spread([2.0, 3.0, 4.0])
     assert (s["mean"], s["min"], s["max"], s["spread"]) == (3.0, 2.0, 4.0, round(2 / 3, 3))
@@ -55,7 +55,7 @@ def test_bench_e2e_refuses_a_comparison_without_elastic():
 
 
 def test_steady_steps_leave_out_the_warm_up_and_the_pipeline_drain():
-    from gyre_hpc.bench.e2e import steady
+    from gyre_hpc.bench.repeats import steady
 
     assert steady([9.0, 5.0, 6.0, 2.0]) == [5.0, 6.0]
     assert steady([9.0, 5.0, 2.0]) == [5.0]

@@ -39,24 +39,24 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     run = RunDir.at(cfg.run_dir)
     runs = read_table(run.metrics, "runs")
     assert len(runs["run_id"]) == 2 * 8 and set(runs["status"]) == {"finished"}
-    assert result["migrations"] > 0                                  # flips moved live sequences...
-    assert int(runs["migrations"].sum()) == result["migrations"]      # ...each run saw its own moves
+    assert result["totals"]["migrations"] > 0                                  # flips moved live sequences...
+    assert int(runs["migrations"].sum()) == result["totals"]["migrations"]      # ...each run saw its own moves
     assert int(runs["restarts"].sum()) == 0                          # ...and none started over
-    assert result["recomputed_prefill_tokens"] == 0                  # no moved sequence was re-prefilled
+    assert result["totals"]["recomputed_prefill_tokens"] == 0                  # no moved sequence was re-prefilled
     timeline = read_table(run.metrics, "timeline")
     # requests = in-flight sequences + retained session contexts moved; sessions = the latter
     moves = [(int(c), int(n) - int(k), d) for c, e, n, k, d in zip(
         timeline["cell"], timeline["event"], timeline["requests"], timeline["sessions"], timeline["detail"])
         if e == "migrate"]
-    assert sum(n for _, n, _ in moves) == result["migrations"]   # each drain is on the timeline
+    assert sum(n for _, n, _ in moves) == result["totals"]["migrations"]   # each drain is on the timeline
     for source, n, detail in moves:    # ...naming the engines (cell ids) that took the requests
         assert int(detail.split()[0]) == n and re.search(r"to engines \[(\d+)\]", detail)[1] == str(3 - source)
     # metrics.h5 says so too, per step (what `gyre-hpc inspect --json` reports)
     assert list(read_table(run.metrics, "steps")["recomputed_prefill_tokens"]) == [0, 0]
     from gyre_hpc.rundir.inspect import summarize
     effects = summarize(run.root).flip_effects
-    assert effects["releases_moving_kv"] >= 1 and effects["requests_moved"] == result["migrations"]
-    assert effects["kv_moved_tokens"] > 0 and effects["run_requests_moved"] == result["migrations"]
+    assert effects["releases_moving_kv"] >= 1 and effects["requests_moved"] == result["totals"]["migrations"]
+    assert effects["kv_moved_tokens"] > 0 and effects["run_requests_moved"] == result["totals"]["migrations"]
     assert effects["restarts"] == 0 and effects["recomputed_prefill_tokens"] == 0 and effects["flaps"] == 0
     # The joiner got weights AND optimizer moments: the flip moved the trainer's whole state
     # and every replica holds bit-identical state after each step's update.
@@ -311,3 +311,29 @@ def test_async_rolls_out_the_next_step_while_this_one_trains_within_staleness_1(
     pool = int(sum(runs["step"] == 1))
     for t in runs["started"]:
         assert int(sum((runs["started"] <= t) & (end > t))) <= pool
+
+
+def test_paced_cells_hold_their_device_durations_and_record_them_as_emulated(tmp_path):
+    """cells.device: paced through the real fleet: every step writes one ``pace`` event per
+    paced cell, labelled EMULATED, whose held time covers the work; every micro-batch writes a
+    ``train_mb`` event naming its cell; trees and weights are real (the store holds the runs)."""
+    cfg = rl_config(tmp_path, "cells.device=paced", "cells.pace.speed={2: 0.7}",
+                    "cells.pace.engine.single_seq_tokens_per_s=400", "cells.pace.train.tokens_per_s=20000")
+    proc, result = run_fleet(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = RunDir.at(cfg.run_dir)
+    assert len(store_run_ids(run)) == 16
+    ev = read_table(run.metrics, "events")
+    pace = [(int(s), d.decode() if isinstance(d, bytes) else str(d)) for e, s, d in zip(ev["event"], ev["step"], ev["detail"])
+            if (e.decode() if isinstance(e, bytes) else str(e)) == "pace"]
+    assert pace and all(d.startswith("EMULATED ") for _, d in pace)
+    assert any(" engine " in d for _, d in pace) and any(" replica " in d for _, d in pace)
+    steps = {s for s, _ in pace}
+    assert steps == {s["step"] for s in result["steps"]}
+    for _, d in pace:
+        f = dict(kv.split("=") for kv in d.split()[1:] if "=" in kv)
+        assert int(f["intervals"]) > 0 and float(f["paced_s"]) >= float(f["real_s"]) - 1e-6
+        assert float(f["overrun_s"]) <= float(f["paced_s"])
+    mbs = [d.decode() if isinstance(d, bytes) else str(d) for e, d in zip(ev["event"], ev["detail"])
+           if (e.decode() if isinstance(e, bytes) else str(e)) == "train_mb"]
+    assert mbs and all(re.match(r"cell=\d+ rank=\d+ mb=\d+ tokens=\d+ seconds=", d) for d in mbs)

@@ -20,7 +20,7 @@ def test_inspect_shows_rl_steps_trees_and_runs(tmp_path):
         m.append([RunRow(time=1.0, step=1, run_id="a", task_id="t", status="finished", reward=0.25, migrations=2),
                   RunRow(time=3.0, step=2, run_id="b", task_id="t", status="timeout", reward=0.75)])
     call = ModelCall([257, 1, 2], [3, 4], [-0.5, -0.25])
-    with TreeStore.open(run.trees, "a", fsync=False) as store:
+    with TreeStore.open(run.trees, "a", durable=False) as store:
         store.append([build_tree([call], run_id=r, task_id="t", reward=w) for r, w in (("a", 0.25), ("b", 0.75))])
     s = summarize(run.root)
     assert [(x["step"], x["reward_mean"], x["replicas"]) for x in s.steps] == [(1, 0.25, 2), (2, 0.75, 1)]

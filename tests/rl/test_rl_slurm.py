@@ -51,3 +51,29 @@ def test_scancelled_rl_step_resumes_with_every_committed_tree_once(tmp_path):
     assert len(ids) == 5 * 8 and len(set(ids)) == len(ids)
     assert ids[:len(before)] == before
     assert sorted(steps(run.root)) == [1, 2, 3, 4, 5]
+
+
+def test_scancelled_between_checkpoints_writes_each_step_and_run_row_once(tmp_path):
+    """train.checkpoint_every=2 under sbatch: scancel the fleet step once step 3 has ended (its
+    trees committed, its rows not sealed) and step 4's first trees are in, the latest
+    checkpoint still step 2. The relaunch redoes steps 3 and 4; each step's row, each run's row
+    and each tree is there exactly once."""
+    from collections import Counter
+
+    job, run, out = _submit(tmp_path, "train.steps=4", "train.checkpoint_every=2")
+    per_step = 2 * 4      # examples/local-slurm.yaml's tasks_per_step x SMALL's runs_per_task
+    step_id = wait_for(lambda: fleet_step(run.root, 1), 180, "the first fleet step", job, out)
+    wait_for(lambda: checkpoint_step(run.root) == 2 and run.trees.exists()
+             and len(store_run_ids(run)) > 3 * per_step, 400, "step 4's trees, checkpoint 2 the latest", job, out)
+    rows_then = steps(run.root)
+    subprocess.run(["scancel", step_id], check=True)
+    info = wait_job(job, 600, log=out)
+    assert info["JobState"] == "COMPLETED", out.read_text()[-3000:]
+    assert [e for e, _, _ in events(run.root)].count("relaunch") == 1
+    assert rows_then == [1, 2]                      # step 3 had ended, unsealed: no row yet
+    assert steps(run.root) == [1, 2, 3, 4]
+    runs = read_table(run.metrics, "runs")
+    assert sorted(Counter(runs["step"].tolist()).items()) == [(s, per_step) for s in range(1, 5)]
+    assert len(set(runs["run_id"].tolist())) == len(runs["run_id"]) == 4 * per_step
+    ids = store_run_ids(run)
+    assert len(ids) == 4 * per_step and len(set(ids)) == len(ids)

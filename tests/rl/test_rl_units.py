@@ -23,7 +23,7 @@ from gyre_hpc.rl.batches import ReplicaSpeeds, group_micro_batches, pick_replica
 from gyre_hpc.rl.runs import sample_runs
 from gyre_hpc.rl.fleet import check_rl_config
 from gyre_hpc.jobs.progress import read_progress, render
-from gyre_hpc.rl.router_client import RouterDriver
+from gyre_hpc.rl.router_client import RoutedCalls
 from gyre_hpc.rl.trainer import OPTIMIZER_FILE, RLTrainer
 from gyre_hpc.rundir.metrics import MetricsWriter, RunRow, StepRow, TimelineRow
 from gyre_hpc.trees.builder import build_tree
@@ -140,6 +140,23 @@ def test_checkpoint_is_hf_format_plus_optimizer_and_round_trips(tmp_path):
         b.load(tmp_path / "ck")
 
 
+def test_a_checkpoint_whose_optimizer_state_does_not_fit_names_the_tensor(tmp_path):
+    """The trainer loads through the fleet's one state check (cells.rank_state.load_into)."""
+    from safetensors.torch import load_file, save_file
+
+    from gyre_hpc.cells.checkpoint import CheckpointError
+
+    cfg = _cfg()
+    a = RLTrainer(cfg)
+    a.save(tmp_path / "ck")
+    optim = load_file(str(tmp_path / "ck" / OPTIMIZER_FILE))
+    name = sorted(optim)[0]
+    optim[name] = torch.zeros(3, 1)
+    save_file(optim, str(tmp_path / "ck" / OPTIMIZER_FILE))
+    with pytest.raises(CheckpointError, match=f"{name} is torch.float32\\[3, 1\\]"):
+        RLTrainer(cfg).load(tmp_path / "ck")
+
+
 def test_rl_config_refuses_several_ranks_per_cell():
     with pytest.raises(ConfigError, match="cells.ranks_per_cell=2"):
         check_rl_config(build_config({"workload": "rl", "cells": {"ranks_per_cell": 2}}))
@@ -174,7 +191,7 @@ def test_harness_runs_over_the_router_continue_across_a_drain(tmp_path):
     engines = {0: TorchEngine(model, name="e0", seed=1), 1: TorchEngine(build_model("tiny", seed=0), name="e1", seed=2)}
     transport = InProcessEngines(engines)
     router = Router(transport, [0, 1])
-    driver = RouterDriver(router)
+    driver = RoutedCalls(router)
     task = Task("t", "say ok", (TaskTest("ok", "assert True"),), max_turns=1)
     cfg = HarnessConfig(max_new_tokens=40, context_limit=512, run_timeout_s=60)
     clients = [driver.client(f"r{i}", 100 + i) for i in range(4)]
@@ -201,7 +218,7 @@ def test_an_agents_calls_reuse_its_context_on_its_engine_and_forget_run_drops_it
     filled once (computed or served from the context), and forget_run drops that run's."""
     engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
     router = Router(InProcessEngines(engines), [0, 1])
-    driver = RouterDriver(router)
+    driver = RoutedCalls(router)
     task = Task("t", "say ok", (TaskTest("ok", "assert True"),), max_turns=3)
     cfg = HarnessConfig(max_new_tokens=16, context_limit=512, run_timeout_s=60)
     clients = [driver.client(f"r{i}", 100 + i) for i in range(2)]
@@ -226,7 +243,7 @@ def test_a_call_whose_run_is_gone_is_not_sent_or_leaves_no_context_behind():
     (the run already forgot its sessions), not held until LRU eviction."""
     engines = {0: TorchEngine(build_model("tiny", seed=0), name="e0", seed=0)}
     router = Router(InProcessEngines(engines), [0])
-    driver = RouterDriver(router)
+    driver = RoutedCalls(router)
     client = driver.client("r0", 1)
 
     async def cancelled_calls():
@@ -256,7 +273,7 @@ def test_restarts_count_requests_routed_again_not_a_context_asked_twice():
     """A run asking twice for the same context is answered twice (same seed, same sample)
     and is no restart; a request of the run routed a second time is one."""
     router = Router(InProcessEngines({0: TorchEngine(build_model("tiny", seed=0), name="e0", seed=0)}), [0])
-    driver = RouterDriver(router)
+    driver = RoutedCalls(router)
     client = driver.client("run-a", 7)
 
     async def ask_twice():
@@ -296,7 +313,7 @@ def test_requests_wait_for_dispatch_then_spread_over_engines():
     """Calls wait in the queue until dispatch, which spreads a burst over the engines open then."""
     engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
     router = Router(InProcessEngines(engines), [0])
-    driver = RouterDriver(router)
+    driver = RoutedCalls(router)
 
     async def main():
         calls = [asyncio.create_task(driver.generate([257, 65 + i], 4, (258,), seed=i)) for i in range(4)]
@@ -338,7 +355,7 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
     import dataclasses
     import json
 
-    from gyre_hpc.rl.driver import STEP_ROWS_FILE, restore_step_rows
+    from gyre_hpc.cells.step_rows import STEP_ROWS_FILE, restore_step_rows
 
     rows = [RunRow(time=1.0, step=3, run_id="s3", task_id="t", status="finished", reward=0.5),
             StepRow(step=3, time=1.0, wall_s=2.0, loss=0.25, reward_mean=0.5, logprob_gap_max=0.0,
@@ -352,6 +369,25 @@ def test_checkpointed_step_rows_are_restored_only_when_missing(tmp_path):
         m.append(rows)
     assert restore_step_rows(tmp_path, metrics) == []            # already there: never twice
     assert restore_step_rows(tmp_path / "nothing", metrics) == []
+
+
+def test_a_kill_between_the_run_rows_and_the_step_row_restores_only_the_step_row(tmp_path):
+    """MetricsWriter.append writes table after table: killed in between, the runs table has
+    the step's rows and the steps table not; the relaunch must add the step row alone."""
+    import dataclasses
+    import json
+
+    from gyre_hpc.cells.step_rows import STEP_ROWS_FILE, restore_step_rows
+
+    runs = [RunRow(time=1.0, step=3, run_id=f"s3-g{g}", task_id="t", status="finished", reward=0.5) for g in range(2)]
+    step = StepRow(step=3, time=1.0, wall_s=2.0, loss=0.25, reward_mean=0.5, logprob_gap_max=0.0,
+                   logprob_gap_mean=0.0, pre_update_clip_share=0.0, behaviour_kl=0.0)   # NaN != NaN
+    (tmp_path / STEP_ROWS_FILE).write_text(json.dumps([[type(r).__name__, dataclasses.asdict(r)]
+                                                       for r in [*runs, step]]))
+    metrics = tmp_path / "metrics.h5"
+    with MetricsWriter(metrics) as m:
+        m.append(runs[:1])                  # one run row landed, the other and the step row did not
+    assert restore_step_rows(tmp_path, metrics) == [runs[1], step]
 
 
 def test_notebook_hint_names_the_notebooks_and_the_run(tmp_path):
@@ -380,7 +416,7 @@ def test_tool_latency_is_seeded_lognormal_and_only_between_calls(tmp_path):
     task = next(t for t in load_tasks("easy-3turn"))
     assert task.max_turns == 3
     engines = {0: TorchEngine(build_model("tiny", seed=0), name="e0", seed=1)}
-    driver = RouterDriver(Router(InProcessEngines(engines), [0]))
+    driver = RoutedCalls(Router(InProcessEngines(engines), [0]))
     cfg = HarnessConfig(max_new_tokens=8, context_limit=512, run_timeout_s=60, max_retries=0)
     run = LatencyAgentRun(task, tmp_path / "w", driver.client("r", 5), tmp_path / "j.jsonl", cfg, run_id="r",
                           run_seed=5, median_s=0.05, sigma=0.6)
@@ -413,13 +449,9 @@ def test_demand_clock_counts_only_sustained_demand_over_capacity():
     assert clock.update(15.0, queued=1, inflight=0, engines=0) == 0.0 and clock.update(16.0, 1, 0, 0) == 1.0
 
 
-def test_tail_runs_are_the_longest_open_quarter():
-    from gyre_hpc.rl.policy_inputs import run_of_request, tail_runs
+def test_requests_name_their_run():
+    from gyre_hpc.rl.policy_inputs import run_of_request
 
-    started = {f"s00001-t0-g{i}": float(i) for i in range(8)}
-    assert tail_runs(started, {"s00001-t0-g0": None}) == {"s00001-t0-g1", "s00001-t0-g2"}
-    assert tail_runs(started, set(started)) == set()
-    assert tail_runs({"a": 1.0}, set()) == {"a"}
     assert run_of_request("s00001-t0-g3-17") == "s00001-t0-g3"
 
 

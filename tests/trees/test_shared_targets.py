@@ -241,7 +241,7 @@ def test_a_forest_is_refused_by_the_store_and_by_run_counting(tmp_path):
 
     journals, _, _ = _listed_journals()
     forest = group_forest([build_tree(j) for j in journals[:2]])
-    with TreeStore.open(tmp_path / "t.zarr", "a", fsync=False) as store:
+    with TreeStore.open(tmp_path / "t.zarr", "a", durable=False) as store:
         with pytest.raises(InvalidTreeError, match=r"n_runs=2: a group forest is packed, not stored"):
             store.append([forest])
     with pytest.raises(ValueError, match="group forest of 2 runs"):

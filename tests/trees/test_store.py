@@ -336,15 +336,15 @@ from gyre_hpc.trees.store import StoreLayout, TreeStore
 
 path, target, batch, stall_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 real_write_marker = store_mod.write_marker
-def stalling_write_marker(root, marker, fsync=True):
+def stalling_write_marker(root, marker, durable=True):
     # Test hook: with every chunk of an append written, stop just before the commit.
     if marker.n_trees >= stall_at > 0:
         print("stalled", marker.n_trees, flush=True)
         time.sleep(60)
-    real_write_marker(root, marker, fsync)
+    real_write_marker(root, marker, durable)
 store_mod.write_marker = stalling_write_marker
 layout = StoreLayout(token_chunk=512, node_chunk=16, call_chunk=16, dropped_chunk=4, tree_chunk=4)
-store = TreeStore.open(path, "a", layout=layout, fsync=False)
+store = TreeStore.open(path, "a", layout=layout, durable=False)
 print("opened", len(store), flush=True)
 while len(store) < target:
     n = len(store)
@@ -550,4 +550,4 @@ def test_a_store_written_in_schema_1_still_reads_with_one_sample_per_trained_tok
     assert (b.run_id, b.status, b.n_paths, int(b.trained.sum())) == ("b", "timeout", 3, 4)  # 6 7 8, and 1 (7 is shared)
     assert int(store.dataset().sizes["token"]) == a.n_tokens + b.n_tokens
     with pytest.raises(StoreError, match=r"schema 1 store is read-only to this code.*mode='r'"):
-        TreeStore.open(copy, "a", fsync=False)
+        TreeStore.open(copy, "a", durable=False)

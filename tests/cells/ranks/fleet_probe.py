@@ -21,8 +21,9 @@ from mpi4py import MPI  # noqa: E402
 from gyre_hpc.cells.controller import FleetResult
 import dataclasses as dc  # noqa: E402
 
-from gyre_hpc.cells.fleet import SUBSTRATE, FleetOptions, exit_rank, main_guarded, run_fleet
-from gyre_hpc.cells.workload import SubstrateWorkload
+from gyre_hpc.cells.fleet import FleetOptions, exit_rank, main_guarded, run_fleet
+from gyre_hpc.substrate.fleet import SUBSTRATE
+from gyre_hpc.substrate.workload import SubstrateWorkload
 from gyre_hpc.sched.state import Role, RoleChange
 
 run_dir, out_path, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -81,9 +82,9 @@ def midstep_policy():
 
 
 options = {
-    "scripted": FleetOptions(verify_weights=True, chunk_bytes=chunk_bytes),
-    "midstep": FleetOptions(verify_weights=True, policy=midstep_policy(), chunk_bytes=chunk_bytes),
-    "never": FleetOptions(verify_weights=True, policy=lambda state: [], chunk_bytes=chunk_bytes),
+    "scripted": FleetOptions(SUBSTRATE, verify_weights=True, chunk_bytes=chunk_bytes),
+    "midstep": FleetOptions(SUBSTRATE, verify_weights=True, policy=midstep_policy(), chunk_bytes=chunk_bytes),
+    "never": FleetOptions(SUBSTRATE, verify_weights=True, policy=lambda state: [], chunk_bytes=chunk_bytes),
     "fail": FleetOptions(workload=dc.replace(SUBSTRATE, rank_workload=FailingWorkload)),
     "exit": FleetOptions(workload=dc.replace(SUBSTRATE, rank_workload=ExitRequestingWorkload), verify_weights=True),
     "stall": FleetOptions(workload=dc.replace(SUBSTRATE, rank_workload=StallingWorkload), reply_timeout_s=8.0),

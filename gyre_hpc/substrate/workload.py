@@ -1,25 +1,20 @@
-"""What a cell rank computes, behind the small interface the fleet drives.
+"""The substrate (smoke) workload's rank state and compute: a few Linear layers plus ballast.
 
-The fleet (controller + cell ranks) knows nothing of models, only of this interface: train
-one micro-batch (accumulating gradients), hand over gradient tensors for averaging, apply
-the averaged update, roll out, and expose the state dict that moves on a flip and goes into
-checkpoints. The e2e trainer and engines plug in behind the same methods.
-
-``SubstrateWorkload`` is the workload of the substrate smoke test: a few Linear layers plus
-ballast buffers sized by ``model.substrate_state_mb`` so a flip moves a realistic number of
+Ballast buffers sized by ``model.substrate_state_mb`` make a flip move a realistic number of
 bytes; data is random but seeded by (step, micro-batch), so the gradient of a step does not
-depend on which replica computed which micro-batch.
+depend on which replica computed which micro-batch. It tests the fleet (flips, checkpoints,
+gradient sync, faults) without models, engines or trees.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from gyre_hpc.cells import checkpoint
+from gyre_hpc.cells.rank_state import load_into
 from gyre_hpc.config import RunConfig
 
 
@@ -27,31 +22,6 @@ from gyre_hpc.config import RunConfig
 class MicroResult:
     loss: float
     tokens: int
-
-
-class Workload(Protocol):
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors that define the weights; receiving into them in place must update the model."""
-
-    def train_micro_batch(self, step: int, micro_batch: int) -> MicroResult:
-        """Forward/backward one micro-batch, adding to the accumulated gradients."""
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        """Accumulated gradients (summed over this rank's micro-batches), same order on every rank."""
-
-    def zero_grads(self) -> None: ...
-
-    def apply_update(self, step: int) -> None:
-        """Optimizer step with the (already averaged) gradients."""
-
-    def rollout(self, step: int, round_: int) -> int:
-        """A slice of rollout work; returns tokens produced."""
-
-    def save(self, directory: str | Path, extra: dict | None = None) -> None:
-        """Write the state a checkpoint holds into ``directory`` (the core leader only)."""
-
-    def load(self, directory: str | Path) -> None:
-        """Load what ``save`` wrote, checking names, shapes and dtypes."""
 
 
 class SubstrateModel(nn.Module):
@@ -108,6 +78,7 @@ class SubstrateWorkload:
         x, y = self._batch(step, micro_batch)
         loss = torch.nn.functional.mse_loss(self.model(x), y)
         loss.backward()
+        self.micro_batches += 1
         return MicroResult(loss=float(loss.detach()), tokens=x.shape[0])
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -116,6 +87,7 @@ class SubstrateWorkload:
     def zero_grads(self) -> None:
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
+        self.micro_batches = 0      # the gradients and their count are one state
 
     def apply_update(self, step: int) -> None:
         with torch.no_grad():
@@ -136,19 +108,3 @@ class SubstrateWorkload:
 
     def load(self, directory: str | Path) -> None:
         load_into(self.state_dict(), checkpoint.load_state(Path(directory)), Path(directory))
-
-
-def load_into(local: dict, stored: dict, where: Path) -> None:
-    """Copy ``stored`` into the tensors of ``local``; a name, shape or dtype mismatch names the tensor."""
-    missing = sorted(set(local) - set(stored))
-    extra = sorted(set(stored) - set(local))
-    if missing or extra:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {where}: tensors missing {missing}, unexpected {extra} for this model")
-    for name, t in local.items():
-        src = stored[name]
-        if src.shape != t.shape or src.dtype != t.dtype:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {where}: {name} is {src.dtype}{list(src.shape)}, the model has "
-                f"{t.dtype}{list(t.shape)}")
-        t.copy_(src)

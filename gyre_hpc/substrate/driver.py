@@ -4,7 +4,7 @@ Each TRAIN rank takes one micro-batch per round, so the controller regains contr
 between rounds it asks the policy again (a flip may land mid-step) and looks for
 ``control/checkpoint-and-exit``. A cell that leaves TRAIN mid-step hands back its
 micro-batches; the replicas that remain redo them, so a step's gradient is always the mean
-over all its micro-batches. ROLLOUT ranks run a slice of ``Workload.rollout`` per round.
+over all its micro-batches. ROLLOUT ranks run a slice of ``SubstrateWorkload.rollout`` per round.
 """
 from __future__ import annotations
 
@@ -13,22 +13,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre_hpc.cells import checkpoint, protocol
-from gyre_hpc.cells.controller import Controller
+from gyre_hpc.cells import checkpoint
+from gyre_hpc.cells.controller import Controller, StepRecord
+from gyre_hpc.cells.step_rows import UnsealedRows
 from gyre_hpc.cells.plan import cell_of_rank, train_ranks
 from gyre_hpc.rundir.metrics import StepRow
 from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    wall_s: float
-    loss: float
-    train_cells: tuple[int, ...]
-    tokens: int
-    policy_version: int
-    checksums: dict[int, str] | None = None   # world rank -> state checksum after the step
+from gyre_hpc.substrate import messages
 
 
 @dataclass
@@ -39,7 +30,7 @@ class SubstrateDriver:
     _rollout_rate: dict[int, float] = field(default_factory=dict)
     _tokens_per_micro_batch: int = 0      # backlog estimate, from reports
     _last_consult: float = float("-inf")
-    _unsealed_rows: list[StepRow] = field(default_factory=list)
+    _rows: UnsealedRows = field(default_factory=UnsealedRows)
 
     # ---- policy --------------------------------------------------------------------------
     def cluster_state(self, step: int, backlog_tokens: int = 0) -> ClusterState:
@@ -68,8 +59,8 @@ class SubstrateDriver:
             self.fleet.flip(step, round_, changes)
         return changes
 
-    def _measure(self, replies: dict[int, protocol.RoundReport]) -> None:
-        by_cell: dict[int, list[protocol.RoundReport]] = {}
+    def _measure(self, replies: dict[int, messages.RoundReport]) -> None:
+        by_cell: dict[int, list[messages.RoundReport]] = {}
         for rank, rep in replies.items():
             by_cell.setdefault(cell_of_rank(self.fleet.cells, rank).id, []).append(rep)
         for cid, reps in by_cell.items():
@@ -96,7 +87,7 @@ class SubstrateDriver:
         t0 = time.perf_counter()
         total = self.micro_batches_per_step()
         self.consult(step, 0, total * self._tokens_per_micro_batch)
-        fl.broadcast(protocol.BeginStep(step))
+        fl.broadcast(messages.BeginStep(step))
         fl.collect()
         pending = list(range(total))
         done_by: dict[int, list[int]] = {}
@@ -118,13 +109,13 @@ class SubstrateDriver:
                         for r in c.ranks:
                             done_by.pop(r, None)
             if fl.exit_requested():
-                fl.broadcast(protocol.AbortStep(step))
+                fl.broadcast(messages.AbortStep(step))
                 fl.collect()
                 return None
             ranks = train_ranks(fl.cells)
             assign = {r: (mb,) for r, mb in zip(ranks, pending)}
             pending = pending[len(assign):]
-            fl.broadcast(protocol.Round(step=step, round=round_, assign=assign))
+            fl.broadcast(messages.Round(step=step, round=round_, assign=assign))
             replies = fl.collect()
             self._measure(replies)
             for rank, rep in replies.items():
@@ -134,29 +125,25 @@ class SubstrateDriver:
                     self._tokens_per_micro_batch = rep.tokens // len(rep.losses)
                     mb_tokens.update((mb, self._tokens_per_micro_batch) for mb in rep.losses)
             round_ += 1
-        fl.broadcast(protocol.EndStep(step=step, micro_batches=total, checksums=fl.verify_weights))
+        fl.broadcast(messages.EndStep(step=step, micro_batches=total, checksums=fl.verify_weights))
         ends = fl.collect()
         fl.policy_version += 1
         rec = StepRecord(step=step, wall_s=time.perf_counter() - t0, loss=sum(losses.values()) / len(losses),
                          train_cells=tuple(c.id for c in fl.cells if c.role is Role.TRAIN),
                          tokens=sum(mb_tokens.values()), policy_version=fl.policy_version,
                          checksums={r: e.checksum for r, e in ends.items()} if fl.verify_weights else None)
-        self._unsealed_rows.append(StepRow(step=step, time=time.time(), wall_s=rec.wall_s, tokens=rec.tokens,
-                                           replicas=len(rec.train_cells), loss=rec.loss,
-                                           policy_version=rec.policy_version))
+        self._rows.add([StepRow(step=step, time=time.time(), wall_s=rec.wall_s, tokens=rec.tokens,
+                                replicas=len(rec.train_cells), loss=rec.loss, policy_version=rec.policy_version)])
         print(f"[fleet] step {step}/{fl.cfg.train.steps} loss {rec.loss:.5f} train cells {list(rec.train_cells)} "
               f"{rec.wall_s:.2f}s", flush=True)
         return rec
 
     # ---- checkpoints ---------------------------------------------------------------------
     def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
-        return [checkpoint.STATE_FILE], {}
+        return [checkpoint.STATE_FILE, self._rows.save(staging, step)], {}
 
     def sealed(self, step: int) -> None:
-        # Step rows are written once their step is sealed: a fleet killed before the checkpoint
-        # reruns those steps after the relaunch, and their rows must not appear twice.
-        self.fleet.metrics.append(self._unsealed_rows)
-        self._unsealed_rows = []
+        self._rows.seal(step, self.fleet.metrics)
 
     def step_done(self, step: int, checkpointed: bool) -> None:
         pass

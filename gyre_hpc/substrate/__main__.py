@@ -1,5 +1,5 @@
-"""``python -m gyre_hpc.cells --run-dir RUN_DIR``: one rank of a substrate fleet (the launchers
-start them all; the rl workload's fleet is ``python -m gyre_hpc.rl``, same protocol).
+"""``python -m gyre_hpc.substrate --run-dir RUN_DIR``: one rank of a substrate fleet (the
+launchers start them all when the run's config says ``workload: substrate``).
 
 Exit codes: 0 all ``train.steps`` done; 75 checkpointed and stopped on
 ``control/checkpoint-and-exit``; anything else a failure the supervisor relaunches from.
@@ -13,11 +13,12 @@ from gyre_hpc.cells.rank_env import prepare_rank_env
 # Before mpi4py and torch are imported: both read these once, at start (see rank_env).
 prepare_rank_env()
 
-from gyre_hpc.cells.fleet import main_guarded, rank_main  # noqa: E402
+from gyre_hpc.cells.fleet import rank_main  # noqa: E402
+from gyre_hpc.substrate.fleet import substrate_options  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    return rank_main("python -m gyre_hpc.cells", __doc__, main_guarded, argv)
+    return rank_main("python -m gyre_hpc.substrate", __doc__, substrate_options(), argv)
 
 
 if __name__ == "__main__":

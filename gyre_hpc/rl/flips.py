@@ -1,0 +1,89 @@
+"""Role changes while the step runs: the policy consulted on the live view, and its changes
+applied without stopping the rest of the fleet.
+
+A released engine (ROLLOUT -> TRAIN) stops admitting, its in-flight sequences and retained
+agent contexts move with their KV cache to the engines that stay (which keep decoding
+throughout: they take no part in the flip), its serve loop pauses, and it joins the running
+step's train_comm; the replicas finish the micro-batch in hand first (the Flip queues behind
+it) and then take micro-batches alongside it. A reclaimed replica (TRAIN -> ROLLOUT) hands in
+what it holds first: its gradients leave with it and the others redo them.
+"""
+from __future__ import annotations
+
+import time
+
+from gyre_hpc.cells.controller import Controller, FlipRecord
+from gyre_hpc.rl.cluster_view import ClusterView
+from gyre_hpc.rl.engine_pool import EnginePool
+from gyre_hpc.rl.step_state import StepState
+from gyre_hpc.rl.train_queue import TrainQueue
+from gyre_hpc.rundir.metrics import TimelineRow
+from gyre_hpc.sched.state import Role, RoleChange
+
+
+class Flips:
+    def __init__(self, fleet: Controller, pool: EnginePool, queue: TrainQueue, view: ClusterView):
+        self.fleet, self.pool, self.queue, self.view = fleet, pool, queue, view
+
+    def consult(self, st: StepState) -> list[FlipRecord]:
+        if self.view.plans_from_rates and st.backlog_tokens() and not any(r > 0 for r in self.queue.speeds.rates.values()):
+            # Trainable work waits but no replica has reported a micro-batch yet: a policy that
+            # plans from training rates (elastic) would rest on a made-up one. The first report
+            # comes within one micro-batch; from then on every cell plans with the measured rate.
+            return []
+        changes = self.fleet.decide(self.view.state(st))
+        leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
+        engines_after = [c.id for c in self.fleet.cells
+                         if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
+        if leaving and not engines_after and (st.unfinished or self.pool.router.unfinished()):
+            # The last engine stays while any run may still call the model.
+            changes = [ch for ch in changes if Role(ch.to) is not Role.TRAIN]
+        return self.apply(st, changes) if changes else []
+
+    def apply(self, st: StepState, changes: list[RoleChange]) -> list[FlipRecord]:
+        """Flip ``changes`` while everything else keeps working (the module's docstring)."""
+        t0 = time.perf_counter()
+        for ch in changes:
+            print(f"[rl] step {st.step}: cell {ch.cell} -> {Role(ch.to).value}: {ch.reason}", flush=True)
+        releasing = [ch.cell for ch in changes if Role(ch.to) is Role.TRAIN]
+        if any(Role(ch.to) is Role.ROLLOUT for ch in changes):
+            self.queue.poll(st, block=True)
+        for cid in releasing:
+            if cid in self.pool.router.engines:
+                self._drain(st, cid)
+        self.pool.pause([cid for cid in releasing if cid in self.pool.serving])
+        before = {c.id: c.role for c in self.fleet.cells}
+        bystanders = frozenset(r for cid in self.pool.serving for r in self.fleet.cell(cid).ranks)
+        records = self.fleet.flip(st.step, len(st.flips), changes, bystanders=bystanders)
+        self.queue.hand_back(st, [c for c in self.fleet.cells
+                                  if before[c.id] is Role.TRAIN and c.role is not Role.TRAIN])
+        self.pool.resume()
+        for c in self.fleet.cells:
+            if before[c.id] is not Role.ROLLOUT and c.role is Role.ROLLOUT:
+                self.pool.router.add_engine(c.id)
+        took = time.perf_counter() - t0
+        for r in records:
+            self.view.switch_s[Role(r.to)] = took
+        st.flips.extend(records)
+        return records
+
+    def _drain(self, st: StepState, cid: int) -> None:
+        """Move a released engine's sequences and contexts, with their KV, to the others."""
+        mig = self.pool.router.drain(cid)
+        totals = self.fleet.result.totals
+        totals["migrations"] = totals.get("migrations", 0) + len(mig.moved)
+        moved = len(mig.moved) + len(mig.moved_sessions)
+        nbytes = mig.bytes + mig.session_bytes
+        st.migrations.append((cid, moved, nbytes, mig.seconds))
+        if not (mig.moved or mig.gone or mig.moved_sessions):
+            return        # the engine held nothing: no migration to log
+        # One row per drain: requests = in-flight sequences + retained session contexts
+        # moved, tokens = their KV tokens (the detail says which is which).
+        self.fleet.metrics.append([TimelineRow(
+            time=time.time(), cell=cid, role=Role.ROLLOUT.value, event="migrate", step=st.step,
+            duration_s=mig.seconds, bytes=nbytes, requests=moved, tokens=mig.kv_tokens + mig.session_kv_tokens,
+            sessions=len(mig.moved_sessions), session_tokens=mig.session_kv_tokens,
+            detail=f"{len(mig.moved)} in-flight requests ({mig.kv_tokens} KV tokens) and "
+                   f"{len(mig.moved_sessions)} retained session contexts ({mig.session_kv_tokens} KV tokens) "
+                   f"moved to engines {sorted(set(mig.moved.values()) | set(mig.moved_sessions.values()))}; "
+                   f"{len(mig.gone)} requests finished first")])

@@ -1,0 +1,105 @@
+"""The training side of a step: a finished group's trees committed to ``trees.zarr`` and cut
+into micro-batches, dealt to the TRAIN replicas by measured speed while other runs still roll
+out, and their reports taken back.
+
+Replicas get store indices, not trees (``MicroBatchRef``), and read the trees themselves, so
+this rank stays the store's only writer and sends a few bytes per micro-batch. A replica that
+leaves TRAIN mid-step drops its gradients in the flip; ``hand_back`` puts its share back in
+front of the queue for the others to redo.
+"""
+from __future__ import annotations
+
+import time
+
+from gyre_hpc.cells.controller import Controller
+from gyre_hpc.cells.plan import Cell, cell_of_rank, train_ranks
+from gyre_hpc.rl import messages
+from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, group_refs, pick_replica
+from gyre_hpc.rl.step_state import RunOutcome, StepState
+from gyre_hpc.trees.store import TreeStore
+
+
+class TrainQueue:
+    def __init__(self, fleet: Controller, store: TreeStore):
+        self.fleet, self.cfg, self.store = fleet, fleet.cfg, store
+        self.speeds = ReplicaSpeeds()
+        self.trained_in_window: dict[int, int] = {}   # rank -> tokens trained since the last engines row
+        self._run_tokens = (0, 0)                     # (training tokens, runs) of the groups committed so far
+
+    def commit_group(self, st: StepState, outs: list[RunOutcome]) -> None:
+        """Admit, append to the store (one commit), cut into micro-batches for the replicas."""
+        if all(o.from_store for o in outs):
+            trees = [o.tree for o in outs]
+            indices = [o.store_index for o in outs]
+        else:
+            trees = admit_group([o.tree for o in outs], self.cfg.train.max_paths_per_run)
+            indices = list(self.store.append(trees))
+            for o, t in zip(outs, trees):
+                o.tree = t
+        # Packed here only for the token counts that dealing needs; replicas read the trees
+        # from the store by these indices and pack them the same way (pure function).
+        tc = self.cfg.train
+        mbs = group_micro_batches(trees, st.step, st.next_mb, tc.row_tokens, tc.micro_batch_tokens,
+                                  tc.shared_targets, tc.averaging, tc.group_forest)
+        st.next_mb += len(mbs)
+        st.store_end = max([st.store_end, *(i + 1 for i in indices)])
+        st.pending.extend(group_refs(indices, mbs))
+        st.groups_changed = True
+        tokens, runs = self._run_tokens
+        self._run_tokens = (tokens + sum(mb.tokens for mb in mbs), runs + len(outs))
+
+    def expected_tokens(self, unfinished_runs: int) -> int:
+        """Training tokens the unfinished runs will bring, at the mean of the runs so far."""
+        tokens, runs = self._run_tokens
+        return int(unfinished_runs * tokens / runs) if runs else 0
+
+    def deal(self, st: StepState) -> None:
+        replicas = train_ranks(self.fleet.cells)
+        while st.pending:
+            free = [r for r in replicas if len(st.outstanding.get(r, [])) < self.cfg.train.micro_batches_in_hand]
+            if not free:
+                return
+            held = {r: sum(mb.tokens for mb in st.outstanding.get(r, [])) for r in free}
+            mb = st.pending.pop(0)
+            rank = pick_replica(free, held, self.speeds, mb.tokens)
+            st.outstanding.setdefault(rank, []).append(mb)
+            self.fleet.send(rank, messages.Train(mb))    # a MicroBatchRef: indices, not trees
+
+    def poll(self, st: StepState, block: bool = False) -> None:
+        """Take the replicas' micro-batch reports; ``block``: until none is outstanding."""
+        while any(st.outstanding.values()):
+            replies = self.fleet.poll_replies()
+            for rank, rep in replies:
+                if not isinstance(rep, messages.TrainReport):
+                    raise RuntimeError(f"controller expected a TrainReport, got {type(rep).__name__} from rank {rank}")
+                held = st.outstanding[rep.rank]
+                mb = next(m for m in held if m.mb_id == rep.mb_id)
+                held.remove(mb)
+                st.done_by.setdefault(rep.rank, []).append(mb)
+                st.losses[mb.mb_id] = rep.loss
+                st.gaps[mb.mb_id] = rep.gap
+                self.speeds.record(rep.rank, rep.tokens, rep.seconds)
+                self.trained_in_window[rep.rank] = self.trained_in_window.get(rep.rank, 0) + rep.tokens
+                if rep.pace is not None:
+                    st.replica_pace[rep.rank] = rep.pace
+                # One event per micro-batch: when each replica's last one of a step ended is
+                # how dealing by speed is checked (every replica finishes together).
+                self.fleet.metrics.event("train_mb", step=rep.step,
+                                         detail=f"cell={cell_of_rank(self.fleet.cells, rep.rank).id} "
+                                                f"rank={rep.rank} mb={rep.mb_id} "
+                                                f"tokens={rep.tokens} seconds={rep.seconds:.4f}")
+            if not block:
+                return
+            if not replies:
+                time.sleep(0.0005)
+
+    def hand_back(self, st: StepState, left: list[Cell]) -> None:
+        """Cells that left TRAIN in a flip dropped their gradients: the others redo their share."""
+        for c in left:
+            for r in c.ranks:
+                st.pending[:0] = st.done_by.pop(r, [])
+                for mb in st.outstanding.pop(r, []):
+                    st.pending.insert(0, mb)
+
+    def trained_tokens(self, st: StepState) -> int:
+        return sum(mb.loss_tokens for v in st.done_by.values() for mb in v)

@@ -1,0 +1,1 @@
+"""The substrate (smoke) workload: the fleet's flips, checkpoints and faults on an MLP with ballast, no models or trees."""

@@ -1,0 +1,33 @@
+"""``inspect``'s readings of streaming training and paced cells, from events alone."""
+from __future__ import annotations
+
+import pytest
+
+from gyre_hpc.rundir.inspect import pace_summary, replica_finish
+
+
+def mb(t, step, cell, seconds):
+    return (t, "train_mb", step, f"cell={cell} rank={cell + 1} mb=0 tokens=100 seconds={seconds}")
+
+
+def test_replica_finish_is_the_spread_of_each_cells_last_micro_batch():
+    events = [mb(10.0, 1, 0, 2.0), mb(14.0, 1, 0, 4.0), mb(13.0, 1, 2, 5.0),   # step 1: ends 14 and 13
+              mb(20.0, 2, 0, 1.0),                                            # step 2: one replica only
+              (15.0, "pace", 1, "EMULATED cell=0 replica intervals=1 paced_s=1 real_s=1 overruns=0 overrun_s=0 share=0")]
+    r = replica_finish(events)
+    # span: first start 8.0 (13 - 5) to the last end 14.0; spread 1.0
+    assert r["steps"] == {1: {"last_end_s": {0: 6.0, 2: 5.0}, "spread_s": 1.0, "share": pytest.approx(1 / 6, abs=1e-4)}}
+    assert r["max_share"] == pytest.approx(1 / 6, abs=1e-4)
+    assert replica_finish([(1.0, "launch", 0, "")]) is None
+
+
+def test_pace_summary_takes_each_cells_last_record_and_the_overrun_share():
+    rec = "EMULATED cell={c} {role} intervals=4 paced_s={p} real_s=1.0 overruns=1 overrun_s={o} share=0"
+    events = [(1.0, "pace", 0, rec.format(c=1, role="engine", p=10.0, o=1.0)),
+              (2.0, "pace", 1, rec.format(c=1, role="engine", p=20.0, o=1.0)),    # cumulative: the later one counts
+              (2.0, "pace", 1, rec.format(c=0, role="replica", p=5.0, o=0.0))]
+    s = pace_summary(events)
+    assert s["emulated"] is True and s["step"] == 1
+    assert s["paced_s"] == 25.0 and s["overrun_s"] == 1.0 and s["overrun_share"] == pytest.approx(0.04)
+    assert set(s["cells"]) == {"1:engine", "0:replica"}
+    assert pace_summary([]) is None
