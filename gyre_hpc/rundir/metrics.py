@@ -8,10 +8,12 @@ The simulator writes the same schema, so analysis code cannot tell the two apart
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import h5py
 import numpy as np
@@ -23,6 +25,15 @@ SCHEMA_VERSION = 1
 # heap that SWMR readers cannot follow (reads fail with "address past end of allocation").
 _STR = "S32"
 _TEXT = "S160"
+
+# HDF5 keeps one open file per path in a process, shared by every handle on it. A reader opened
+# here while this process's writer is open keeps the writer's file (in SWMR-write mode) alive
+# after the writer closes; the next writer here then joins that file and cannot start SWMR
+# ("file already in SWMR writing mode"). The head's event writer met its own progress thread so
+# in CI. Readers hold this lock from open to close, writers while they open and close, so a
+# writer never joins a file a reader kept alive, and a long-lived writer (the fleet's) never
+# blocks this process's readers.
+_HANDLES = threading.RLock()
 
 # table -> ordered (column, dtype). Roles: ROLLOUT, TRAIN, SWITCH, IDLE, DOWN.
 TABLES: dict[str, list[tuple[str, Any]]] = {
@@ -158,12 +169,12 @@ class Mirrors:
 
 
 def _open_for_write(path: Path, wait_s: float = 30.0) -> h5py.File:
-    """Open for appending, waiting out readers: an SWMR reader (a notebook, ``inspect``, a
-    test polling) holds HDF5's file lock while it opens the file, and a writer arriving in that
-    moment gets EAGAIN; the head opens the file for each event, so without the wait a reader
-    could crash it. A reader in this process (``gyre-hpc run``'s progress display, a thread
-    beside the supervisor) makes HDF5 refuse the open outright ("already open for read-only")
-    until it closes the file, which it does after each read: waited out the same way."""
+    """Open for appending, waiting out readers: an SWMR reader in another process (a notebook,
+    ``inspect``, a test polling) holds HDF5's file lock while it opens the file, and a writer
+    arriving in that moment gets EAGAIN; the head opens the file for each event, so without the
+    wait a reader could crash it. This process's own readers are kept out by ``_HANDLES``; one
+    opened with h5py directly (a notebook kernel, a thread of the caller's) makes HDF5 refuse
+    the open outright ("already open for read-only") until it closes: waited out the same way."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -175,20 +186,27 @@ def _open_for_write(path: Path, wait_s: float = 30.0) -> h5py.File:
             time.sleep(0.05)
 
 
-def open_for_read(path: Path | str, wait_s: float = 30.0) -> h5py.File:
+@contextlib.contextmanager
+def open_for_read(path: Path | str, wait_s: float = 30.0) -> Iterator[h5py.File]:
     """Open as an SWMR reader, waiting out a writer's setup: between opening the file and
     switching to SWMR mode (creating columns, setting attributes) the writer holds HDF5's lock
     exclusively, and a reader arriving in that moment gets EAGAIN. The head reopens the file
     for each event, so a notebook or a test polling a live run meets that window; CI saw a
     poll of ``events`` fail with BlockingIOError errno 11 as a requeued head resumed."""
     deadline = time.monotonic() + wait_s
-    while True:
+    with _HANDLES:
+        while True:
+            try:
+                f = h5py.File(path, "r", libver="latest", swmr=True)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         try:
-            return h5py.File(path, "r", libver="latest", swmr=True)
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            yield f
+        finally:
+            f.close()
 
 
 class MetricsWriter:
@@ -203,6 +221,10 @@ class MetricsWriter:
             self._open()
 
     def _open(self) -> None:
+        with _HANDLES:
+            self._open_swmr()
+
+    def _open_swmr(self) -> None:
         self._f = _open_for_write(self.path)
         for table, cols in TABLES.items():
             grp = self._f.require_group(table)
@@ -249,7 +271,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self._f:
-            self._f.close()
+            with _HANDLES:
+                self._f.close()
             self._f = None
         if self._mirror is not None:
             self._mirror.close()
@@ -306,7 +329,7 @@ def recover_unclosed(path: str | Path) -> bool:
     if not path.exists():
         return False
     try:
-        with h5py.File(path, "r"):
+        with _HANDLES, h5py.File(path, "r"):
             return False
     except OSError as exc:
         if "already open for write" not in str(exc):
