@@ -229,40 +229,49 @@ def run_chaos(run_dir: Path, steps: int, faults: list[Fault], timeout_s: float) 
     submissions = [_submit(run_dir, out_dir / "head-1.out", overrides)]
     injected: list[dict] = []
     last_launch = None
-    for fault in faults:
-        job = submissions[-1]
-        if _job_state(job) in ENDED_STATES:
-            break          # the run finished before the schedule did
+    error = None
+    try:
+        for fault in faults:
+            job = submissions[-1]
+            if _job_state(job) in ENDED_STATES:
+                break          # the run finished before the schedule did
 
-        def running(seen=last_launch) -> dict | None:
-            """The fleet this fault hits: the first one seen running after the previous fault."""
-            info = _fleet_info(run_dir)
-            if not info.get("step_id") or (seen is not None and info.get("launch") == seen):
-                return None
-            return info if _rank_pids(run_dir) else None
-        launch = _wait(running, 600, "a running fleet")
-        last_launch = launch.get("launch")
-        time.sleep(fault.delay_s)
-        if _job_state(job) in ENDED_STATES:
-            break
-        injected.append(inject(fault, run_dir, job))
-        if fault.kind == "head" and injected[-1]["landed"]:
-            _wait(lambda: _job_state(job) in ENDED_STATES, 300, f"job {job} to end after its head died")
-            # The fleet's lease runs out (supervise.head_lease_s): it checkpoints and exits.
-            from gyre_hpc.jobs.ownership import live_fleet, reap_stray_sruns
-            from gyre_hpc.rundir.layout import RunDir
-            # What the next head checks first (a stray srun client is reaped, live ranks refuse it).
-            _wait(lambda: not reap_stray_sruns(RunDir.at(run_dir)) and not live_fleet(RunDir.at(run_dir)), 300,
-                  "the dead head's fleet to end", poll=1.0)
-            submissions.append(_submit(run_dir, out_dir / f"head-{len(submissions) + 1}.out", overrides))
-            last_launch = None
-        if time.monotonic() - t0 > timeout_s:
-            break
-    job = submissions[-1]
-    _wait(lambda: _job_state(job) in ENDED_STATES, max(60.0, timeout_s - (time.monotonic() - t0)),
-          f"job {job} to finish", poll=1.0)
+            def running(seen=last_launch) -> dict | None:
+                """The fleet this fault hits: the first one seen running after the previous fault."""
+                info = _fleet_info(run_dir)
+                if not info.get("step_id") or (seen is not None and info.get("launch") == seen):
+                    return None
+                return info if _rank_pids(run_dir) else None
+            launch = _wait(running, 600, "a running fleet")
+            last_launch = launch.get("launch")
+            time.sleep(fault.delay_s)
+            if _job_state(job) in ENDED_STATES:
+                break
+            injected.append(inject(fault, run_dir, job))
+            if fault.kind == "head" and injected[-1]["landed"]:
+                _wait(lambda: _job_state(job) in ENDED_STATES, 300, f"job {job} to end after its head died")
+                # The fleet's lease runs out (supervise.head_lease_s): it checkpoints and exits.
+                from gyre_hpc.jobs.ownership import live_fleet, reap_stray_sruns
+                from gyre_hpc.rundir.layout import RunDir
+                # What the next head checks first (a stray srun client is reaped, live ranks refuse it).
+                _wait(lambda: not reap_stray_sruns(RunDir.at(run_dir)) and not live_fleet(RunDir.at(run_dir)), 300,
+                      "the dead head's fleet to end", poll=1.0)
+                submissions.append(_submit(run_dir, out_dir / f"head-{len(submissions) + 1}.out", overrides))
+                last_launch = None
+            if time.monotonic() - t0 > timeout_s:
+                break
+        job = submissions[-1]
+        _wait(lambda: _job_state(job) in ENDED_STATES, max(60.0, timeout_s - (time.monotonic() - t0)),
+              f"job {job} to finish", poll=1.0)
+    except click.ClickException as exc:
+        # A wait that timed out (a loaded machine, a fleet that never came up): the report still
+        # says what happened, and no job of this run is left holding the cluster's nodes.
+        error = exc.message
+        for submitted in submissions:
+            subprocess.run(["scancel", submitted], capture_output=True)
+        job = submissions[-1]
     return {"submissions": submissions, "final_state": _job_state(job), "injected": injected,
-            "wall_s": round(time.monotonic() - t0, 1)}
+            "wall_s": round(time.monotonic() - t0, 1), "error": error}
 
 
 def audit(run_dir: Path, steps: int, per_step: int) -> dict:
@@ -339,9 +348,12 @@ def command(as_json: bool, n_faults: int, steps: int, seed: int, timeout_s: floa
                   "moments_targeted": dict(Counter(f["moment"] for f in got["injected"] if f["landed"])),
                   "moments_hit": dict(Counter(f["hit"] for f in got["injected"] if f["landed"])),
                   "head_submissions": len(got["submissions"]), "final_job_state": got["final_state"],
-                  "wall_s": got["wall_s"], "faults": [asdict(f) for f in faults], "injected": got["injected"]}
-        result.update(audit(run_dir, steps, per_step) if (run_dir / "trees.zarr").exists() else {"audit": "no store"})
-        result["ok"] = bool(result["faults_injected"] == len(faults) and got["final_state"] == "COMPLETED"
+                  "wall_s": got["wall_s"], "error": got["error"], "faults": [asdict(f) for f in faults], "injected": got["injected"]}
+        try:
+            result.update(audit(run_dir, steps, per_step) if (run_dir / "trees.zarr").exists() else {"audit": "no store"})
+        except Exception as exc:   # a run cut short can leave what the audit reads half there: say so in the JSON
+            result["audit"] = f"failed: {exc!r}"
+        result["ok"] = bool(got["error"] is None and result["faults_injected"] == len(faults) and got["final_state"] == "COMPLETED"
                             and result.get("trees_lost") == 0 and result.get("trees_duplicated") == 0
                             and result.get("step_rows_once") and result.get("run_rows_once")
                             and result.get("final_checkpoint_step") == steps and result.get("final_checkpoint_loads"))

@@ -41,6 +41,7 @@ def test_bench_chaos_small_run_keeps_everything_exactly_once(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from gyre_hpc.cli import main; main()", "bench", "chaos",
                           "--faults", "3", "--steps", "6", "--seed", "0", "--json", "--keep", str(tmp_path / "run")],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.stdout.strip(), f"rc {out.returncode}, no JSON on stdout; stderr:\n{out.stderr[-3000:]}"
     rep = json.loads(out.stdout)          # only JSON on stdout, whatever the exit code
     assert out.returncode == 0, json.dumps({k: v for k, v in rep.items() if k != "faults"}, indent=1) + out.stderr[-2000:]
     assert rep["faults_injected"] == 3 and set(rep["by_kind"]) == set(KINDS)
