@@ -163,7 +163,7 @@ class PrefillAttention:
     def __init__(self, cache: SlotKVCache, row: int, start: int, n_new: int, invariant: bool = False):
         self.cache, self.row, self.start, self.n_new = cache, row, start, n_new
         self.invariant = invariant
-        self.mask = None
+        self.key_mask: inv.KeyMask | None = None   # one per forward: every layer attends from these positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c, row, start = self.cache, self.row, self.start
@@ -173,10 +173,10 @@ class PrefillAttention:
         vb[row, :, start:start + T] = v[0]
         if self.invariant:
             span = c.key_span(start + T)
-            if self.mask is None:   # one per forward: every layer attends from these positions
-                self.positions = inv.causal_positions(1, start, T, q.device)
-                self.mask = inv.KeyMask(self.positions, q.shape[1] // k.shape[1])
-            return inv.attention(q, kb[row:row + 1, :, :span], vb[row:row + 1, :, :span], self.positions, self.mask)
+            if self.key_mask is None:
+                self.key_mask = inv.KeyMask(inv.causal_positions(1, start, T, q.device), q.shape[1] // k.shape[1])
+            km = self.key_mask
+            return inv.attention(q, kb[row:row + 1, :, :span], vb[row:row + 1, :, :span], km.positions, km)
         groups = q.shape[1] // k.shape[1]
         if start == 0:
             return F.scaled_dot_product_attention(q, _expand(k, groups), _expand(v, groups), is_causal=True)
@@ -195,7 +195,7 @@ class PrefillAttention:
 class DecodeAttention:
     def __init__(self, cache: SlotKVCache, invariant: bool = False):
         self.cache, self.invariant = cache, invariant
-        self.key_mask = None
+        self.key_mask: inv.KeyMask | None = None   # one per forward: every layer attends from these positions
         n = cache.n_rows
         self.pos = torch.tensor(cache.lengths, device=cache.device)
         self.rows = torch.arange(n, device=cache.device)
@@ -219,9 +219,10 @@ class DecodeAttention:
             vb[self.rows, :, self.pos] = v[:, :, 0]
         if self.invariant:
             span = self.cache.key_span(self.span)
-            if self.key_mask is None:   # one per forward: every layer attends from these positions
+            if self.key_mask is None:
                 self.key_mask = inv.KeyMask(self.pos[:, None], Hq // k.shape[1])
-            return inv.attention(q, kb[:B, :, :span], vb[:B, :, :span], self.pos[:, None], self.key_mask)
+            km = self.key_mask
+            return inv.attention(q, kb[:B, :, :span], vb[:B, :, :span], km.positions, km)
         hkv = k.shape[1]
         # The G query heads of a kv group become G query rows against that group's keys.
         out = F.scaled_dot_product_attention(q.reshape(B, hkv, Hq // hkv, Dh), kb[:B, :, :self.span],

@@ -81,27 +81,29 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 class KeyMask:
-    """Which keys each query row sees, per query tile, built once and shared by every layer of
-    a forward (they all see the same positions): 0 / -1e30 for the maximum, 1 / 0 for the sum."""
+    """Which keys each query row sees, per query tile, built once per forward and shared by its
+    layers (they all attend from the same positions): an additive bias (0 / -1e30, for the
+    maximum) and a factor (1 / 0, for the sums), each [B, 1, tile, keys], broadcast over the
+    kv heads. ``positions`` are the queries' ([B, T]) it was built from."""
 
     def __init__(self, q_pos: torch.Tensor, groups: int):
         B, T = q_pos.shape
-        self.row_pos = q_pos[:, None, :].expand(B, groups, T).reshape(B, 1, groups * T)
-        self._tiles: dict[tuple[int, int], tuple] = {}
+        self.positions = q_pos
+        self.row_pos = q_pos[:, None, :].expand(B, groups, T).reshape(B, groups * T)
+        self._tiles: dict[tuple, tuple] = {}
 
     def tile(self, r0: int, r1: int, n_blocks: int, dtype: torch.dtype = torch.float32):
         """(rows in the tile, blocks seen, bias, visible) for rows [r0, r1), in ``dtype``."""
         key = (r0, n_blocks, dtype)
         if key not in self._tiles:
-            pos = self.row_pos[:, :, r0:r1]
+            pos = self.row_pos[:, r0:r1]
             n = r1 - r0
             tile = _round_up(n, ROW_TILE)
             if tile != n:   # padding rows sit at position 0: they see key 0 and are dropped
                 pos = F.pad(pos, (0, tile - n))
             nb = min(n_blocks, int(pos.max()) // KEY_BLOCK + 1)                 # blocks any row here sees
             key_at = torch.arange(nb * KEY_BLOCK, device=pos.device)
-            seen = (key_at <= pos[..., None]).view(pos.shape[0], 1, tile, nb, KEY_BLOCK).transpose(2, 3)
-            visible = seen.to(dtype)
+            visible = (key_at <= pos[..., None]).to(dtype)[:, None]             # [B, 1, tile, keys]
             self._tiles[key] = (tile, nb, (visible - 1.0) * 1e30, visible)
         return self._tiles[key]
 
@@ -117,9 +119,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     ``q_pos`` when several layers attend from the same positions (built here otherwise).
 
     Products: scores as [rows, Dh] x [Dh, keys] (a dot over Dh each), values one key block at a
-    time ([rows, KEY_BLOCK] x [KEY_BLOCK, Dh]) so their sums over keys run block by block, rows
-    padded to ``ROW_TILE``. Key blocks past every query of a tile are skipped: they would add
-    exact zeros at the end of the scan, so skipping them changes no bit.
+    time ([rows, KEY_BLOCK] x [KEY_BLOCK, Dh], batched over sequences and kv heads) added to
+    the sum of the blocks before it, rows padded to ``ROW_TILE``. Both products read ``k`` and
+    ``v`` where they lie (a slice of a KV cache's rows is a view here, never copied), and the
+    probabilities are read in place as column slices. Key blocks past every query of a tile
+    are skipped: they would add exact zeros at the end of the scan, so skipping them changes
+    no bit.
     """
     B, Hq, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -127,51 +132,64 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         raise ValueError(f"invariant.attention: {Hq} query heads are not a multiple of {Hkv} kv heads")
     if q_pos.shape != (B, T):
         raise ValueError(f"invariant.attention: q_pos has shape {tuple(q_pos.shape)}, expected {(B, T)}")
-    G = Hq // Hkv
+    G, BH, KB = Hq // Hkv, B * Hkv, KEY_BLOCK
     mask = mask if mask is not None else KeyMask(q_pos, G)
     # The G query heads of a kv group become G x T query rows against that group's keys.
-    rows = q.reshape(B, Hkv, G * T, Dh)
-    s_pad = _round_up(S, KEY_BLOCK)
+    rows = (q * (1.0 / (Dh ** 0.5))).reshape(BH, G * T, Dh)
+    s_pad = _round_up(S, KB)
     if s_pad != S:
         k = F.pad(k, (0, 0, 0, s_pad - S))
         v = F.pad(v, (0, 0, 0, s_pad - S))
     d_out = max(Dh, MIN_COLUMNS)
     if d_out != Dh:                       # the value product needs >= MIN_COLUMNS columns too
         v = F.pad(v, (0, d_out - Dh))
-    n_blocks = s_pad // KEY_BLOCK
-    v_blocks = v.reshape(B, Hkv, n_blocks, KEY_BLOCK, d_out)
-    scale = 1.0 / (Dh ** 0.5)
+    keys, values = k.reshape(BH, s_pad, Dh), v.reshape(BH, s_pad, d_out)
+    # Under autograd (the trainer) the same arithmetic runs out of place.
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     outs = []
     n_rows = G * T
     for r0 in range(0, n_rows, QUERY_ROWS):
         r1 = min(n_rows, r0 + QUERY_ROWS)
         n = r1 - r0
-        tile, nb, bias, visible = mask.tile(r0, r1, n_blocks, q.dtype)
-        qt = rows[:, :, r0:r1] if tile == n else F.pad(rows[:, :, r0:r1], (0, 0, 0, tile - n))
+        tile, nb, bias, visible = mask.tile(r0, r1, s_pad // KB, q.dtype)
+        qt = rows[:, r0:r1] if tile == n else F.pad(rows[:, r0:r1], (0, 0, 0, tile - n))
         # One product over the keys the tile sees: each score is a dot over Dh, its order fixed
         # by Dh alone (the key count is the product's column count, which does not enter).
-        scores = (qt * scale) @ k[:, :, :nb * KEY_BLOCK].transpose(-1, -2)      # [B, Hkv, tile, nb*KB]
-        scores = scores.view(B, Hkv, tile, nb, KEY_BLOCK).transpose(2, 3)       # [B, Hkv, nb, tile, KB]
-        # Masked keys: -1e30 for the maximum, then a factor 0 (not exp(-inf): torch's exp takes
-        # a slow path for -inf and underflow). The exponent is clamped to [-80, 0]: a visible
-        # term below e^-80 of the largest counts as e^-80, which no float32 sum of terms
-        # including 1 (the largest) can tell apart from 0.
-        scores = scores + bias
-        top = scores.amax(dim=(2, 4), keepdim=True).detach()                   # exact; softmax ignores it
-        p = torch.exp((scores - top).clamp_(-80.0, 0.0)) * visible              # [B, Hkv, nb, tile, KB]
-        denom = in_order(p.sum(-1))                                             # [B, Hkv, tile]
-        acc = in_order(p @ v_blocks[:, :, :nb])                                 # [B, Hkv, tile, d_out]
-        outs.append(acc[:, :, :n, :Dh] / denom[:, :, :n, None])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        scores = torch.bmm(qt, keys[:, :nb * KB].transpose(1, 2)).view(B, Hkv, tile, nb * KB)
+        p = _numerators(scores, bias, visible, grad).view(BH, tile, nb * KB)
+        denom = in_order(p.view(BH, tile, nb, KB).sum(-1), dim=2)               # [BH, tile]
+        acc = torch.bmm(p[:, :, :KB], values[:, :KB])                           # [BH, tile, d_out]
+        for j in range(1, nb):   # block j added to the sum of blocks 0..j-1: the in_order scan
+            block = torch.bmm(p[:, :, j * KB:(j + 1) * KB], values[:, j * KB:(j + 1) * KB])
+            acc = acc + block if grad else acc.add_(block)
+        outs.append(acc[:, :n, :Dh] / denom[:, :n, None])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.reshape(B, Hq, T, Dh).to(q.dtype)
 
 
-def in_order(blocks: torch.Tensor) -> torch.Tensor:
-    """The sum over dim 2 (key blocks) taken one block after another, from block 0: each
-    addition rounds once, so trailing blocks of zeros change no bit."""
-    acc = blocks[:, :, 0]
-    for j in range(1, blocks.shape[2]):
-        acc = acc + blocks[:, :, j]
+def _numerators(scores: torch.Tensor, bias: torch.Tensor, visible: torch.Tensor, grad: bool) -> torch.Tensor:
+    """exp(score - max) for visible keys, exact 0 for the others.
+
+    Masked keys: -1e30 for the maximum, then a factor 0 (not exp(-inf): torch's exp takes a
+    slow path for -inf and underflow). The exponent is clamped to [-80, 0]: a visible term
+    below e^-80 of the largest counts as e^-80, which no float32 sum of terms including 1 (the
+    largest) can tell apart from 0. Without autograd the scores' buffer is reused in place
+    (the same elementwise kernels, so the same bits)."""
+    if grad:
+        s = scores + bias
+        top = s.amax(dim=-1, keepdim=True).detach()                            # exact; softmax ignores it
+        return torch.exp((s - top).clamp(-80.0, 0.0)) * visible
+    s = scores.add_(bias)
+    top = s.amax(dim=-1, keepdim=True)
+    return s.sub_(top).clamp_(-80.0, 0.0).exp_().mul_(visible)
+
+
+def in_order(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over ``dim`` taken one slice after another, from the first: each addition
+    rounds once, so trailing slices of zeros change no bit."""
+    acc = blocks.select(dim, 0)
+    for j in range(1, blocks.shape[dim]):
+        acc = acc + blocks.select(dim, j)
     return acc
 
 

@@ -80,9 +80,9 @@ def test_attention_bits_depend_only_on_a_querys_own_keys():
 def test_in_order_adds_block_after_block():
     blocks = torch.randn(1, 1, 5, 3)
     expected = blocks[:, :, 0] + blocks[:, :, 1] + blocks[:, :, 2] + blocks[:, :, 3] + blocks[:, :, 4]
-    assert torch.equal(inv.in_order(blocks), expected)
+    assert torch.equal(inv.in_order(blocks, 2), expected)
     padded = torch.cat([blocks, torch.zeros(1, 1, 4, 3)], dim=2)
-    assert torch.equal(inv.in_order(padded), expected)
+    assert torch.equal(inv.in_order(padded, 2), expected)
 
 
 def test_invariant_forward_is_close_to_the_native_one():
