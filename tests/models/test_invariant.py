@@ -77,12 +77,28 @@ def test_attention_bits_depend_only_on_a_querys_own_keys():
     assert torch.equal(alone, batched)
 
 
-def test_in_order_adds_block_after_block():
-    blocks = torch.randn(1, 1, 5, 3)
-    expected = blocks[:, :, 0] + blocks[:, :, 1] + blocks[:, :, 2] + blocks[:, :, 3] + blocks[:, :, 4]
-    assert torch.equal(inv.in_order(blocks, 2), expected)
-    padded = torch.cat([blocks, torch.zeros(1, 1, 4, 3)], dim=2)
-    assert torch.equal(inv.in_order(padded, 2), expected)
+def test_a_bag_sum_is_one_fused_multiply_add_after_another():
+    """What the attention rests on: per output element, embedding_bag takes fma(w, x, acc)
+    term by term from 0 (emulated here in float64, where w * x is exact), so trailing
+    zero-weight terms and other lanes of the table change no bit."""
+    g = torch.Generator().manual_seed(5)
+    table, w = torch.randn(300, 37, generator=g), torch.randn(300, generator=g)
+
+    def bag(n, width=37, pad=0):
+        weights = torch.cat([w[:n], torch.zeros(pad)])
+        return F.embedding_bag(torch.arange(n + pad), table[:n + pad, :width].contiguous(), torch.tensor([0]),
+                               mode="sum", per_sample_weights=weights)[0]
+
+    chain = torch.zeros(37)
+    for i in range(250):
+        chain = (w[i].double() * table[i].double() + chain.double()).float()
+    assert torch.equal(bag(250), chain)
+    assert torch.equal(bag(250, pad=50), chain)
+    assert torch.equal(bag(250, width=5), chain[:5]) and torch.equal(bag(250, width=16), chain[:16])
+    plain = torch.zeros(37)
+    for i in range(250):
+        plain = plain + w[i] * table[i]
+    assert not torch.equal(bag(250), plain)   # the negative control: two roundings per term differ
 
 
 def test_invariant_forward_is_close_to_the_native_one():
@@ -100,7 +116,6 @@ def test_a_layer_too_narrow_for_the_kernels_is_refused():
         inv.linear(torch.randn(3, 8), torch.randn(8, 8))
 
 
-def test_key_blocks_span_rounds_up_to_whole_blocks():
-    from gyre_hpc.models.invariant import KEY_BLOCK, key_blocks_span
-    assert key_blocks_span(0) == 0 and key_blocks_span(1) == KEY_BLOCK
-    assert key_blocks_span(KEY_BLOCK) == KEY_BLOCK and key_blocks_span(KEY_BLOCK + 1) == 2 * KEY_BLOCK
+def test_round_up_gives_whole_tiles():
+    assert inv.round_up(0, 64) == 0 and inv.round_up(1, 64) == 64
+    assert inv.round_up(64, 64) == 64 and inv.round_up(65, 64) == 128 and inv.round_up(5, 4) == 8
