@@ -58,6 +58,7 @@ class SlotKVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.max_rows, self.max_tokens = max_rows, max_tokens
         self.invariant = invariant
+        self.memo: dict = {}   # the invariant kernels' masks and index lists, kept from forward to forward
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.lengths: list[int] = []
@@ -178,7 +179,7 @@ class PrefillAttention:
         vb[row, :, start:start + T] = v[0]
         if c.invariant:   # the whole row: the mask hides what lies past each query
             if self.key_mask is None:
-                self.key_mask = inv.KeyMask(inv.causal_positions(1, start, T, q.device), q.shape[1] // k.shape[1])
+                self.key_mask = inv.KeyMask.causal(start, T, q.shape[1] // k.shape[1], q.device, c.memo)
             km = self.key_mask
             return inv.attention(q, kb[row:row + 1], vb[row:row + 1], km.positions, km)
         groups = q.shape[1] // k.shape[1]
@@ -223,7 +224,7 @@ class DecodeAttention:
             vb[self.rows, :, self.pos] = v[:, :, 0]
         if self.cache.invariant:   # the batch's whole rows: the mask hides what lies past each query
             if self.key_mask is None:
-                self.key_mask = inv.KeyMask(self.pos[:, None], Hq // k.shape[1])
+                self.key_mask = inv.KeyMask(self.pos[:, None], Hq // k.shape[1], self.cache.memo)
             km = self.key_mask
             return inv.attention(q, kb[:B], vb[:B], km.positions, km)
         hkv = k.shape[1]

@@ -53,6 +53,7 @@ QUERY_ROWS = 128   # query rows per tile: its scores stay in L2 (any value gives
 LANES = 16         # a by-keys tile's query rows are padded to a multiple of this (a vector)
 KEYS_FIRST = 32    # tiles of at least this many query rows per kv head sum by keys
 MAX_KEPT_INDICES = 1 << 22   # bag index lists up to this size are kept for a forward's layers
+MAX_KEPT = 64                # and at most this many lists and masks in a caller's memo
 
 def round_up(n: int, tile: int) -> int:
     """``n`` rounded up to a whole number of ``tile`` (0 stays 0)."""
@@ -72,58 +73,93 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     padded = max(ROW_TILE, round_up(m, ROW_TILE))
-    if padded != m:
-        rows = F.pad(rows, (0, 0, 0, padded - m))
+    if padded == m:   # the same 2-D product, without the slicing
+        return F.linear(rows, weight, bias).view(*lead, weight.shape[0])
+    rows = F.pad(rows, (0, 0, 0, padded - m))
     return F.linear(rows, weight, bias)[:m].reshape(*lead, weight.shape[0])
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU from ``exp`` and a division, the same bits at every place of the tensor."""
-    return x / (1.0 + torch.exp(-x))
+    """SiLU from ``exp`` and a division, the same bits at every place of the tensor (in place
+    on one fresh buffer when no gradient is wanted: the same kernels)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x / (1.0 + torch.exp(-x))
+    e = torch.neg(x)
+    return torch.div(x, e.exp_().add_(1.0), out=e)
 
 
 class KeyMask:
     """What the queries of one forward read, built once and shared by its layers (they all
-    attend from the same positions). Per query tile: the keys it reads (rounded up to
-    ``KEY_BLOCK``), an additive bias (0 / -1e30, for the maximum) and a factor (1 / 0, for the
-    sums), broadcast over the kv heads; and the index lists of the bag sums. ``positions``: the
-    queries' [B, T] positions it was built from."""
+    attend from the same positions). Per tile of query rows: the keys it reads (rounded up to
+    ``KEY_BLOCK``) and which of them each row may not see (over the keys some row of the tile
+    cannot see, broadcast over the kv heads); and the index lists of the bag sums. Row ``t * groups + g`` is query head g of a kv group at
+    position t. ``positions``: the queries' [B, T] positions it was built from."""
 
-    def __init__(self, q_pos: torch.Tensor, groups: int):
+    def __init__(self, q_pos: torch.Tensor, groups: int, memo: dict | None = None):
         B, T = q_pos.shape
         self.positions = q_pos
-        self.row_pos = q_pos[:, None, :].expand(B, groups, T).reshape(B, groups * T)
+        self.row_pos = q_pos[:, :, None].expand(B, T, groups).reshape(B, T * groups)
         self._tiles: dict[tuple, tuple] = {}
-        self._bags: dict[tuple, tuple] = {}
+        self._reach: dict[int, int] = {}
+        # Bag index lists depend on shapes only: a caller that attends with the same shapes
+        # forward after forward (an engine) passes one dict to keep them in (``memo``).
+        self._bags: dict[tuple, tuple] = {} if memo is None else memo
 
-    def tile(self, r0: int, r1: int, keys: int, dtype: torch.dtype, by_keys: bool):
-        """(keys read, bias, visible) for rows [r0, r1) of ``keys`` available, in ``dtype``:
-        [B, 1, rows, keys], or by keys [B, 1, keys, rows padded to LANES]."""
-        key = (r0, r1, keys, dtype, by_keys)
+    @classmethod
+    def causal(cls, start: int, length: int, groups: int, device, memo: dict) -> "KeyMask":
+        """The mask of one sequence's tokens start..start+length-1 after ``start`` cached ones,
+        kept in ``memo`` with the bag index lists: prompts of one length share it."""
+        key = ("causal", start, length, groups, torch.device(device))
+        mask = memo.get(key)
+        if mask is None:
+            mask = cls(causal_positions(1, start, length, device), groups, memo)
+            if len(memo) >= MAX_KEPT:
+                memo.clear()
+            memo[key] = mask
+        return mask
+
+    def reach(self, keys: int) -> int:
+        """Keys any query reads, of ``keys`` available."""
+        if keys not in self._reach:
+            self._reach[keys] = min(keys, round_up(int(self.row_pos.max()) + 1, KEY_BLOCK))
+        return self._reach[keys]
+
+    def tile(self, r0: int, r1: int, keys: int, by_keys: bool):
+        """(keys read, first hidden key, hidden) for rows [r0, r1) of ``keys`` available. Keys
+        below the first hidden one are visible to every row of the tile, so ``hidden`` (True
+        where a row may not see a key) covers only the keys from there: by rows
+        [B, 1, rows, keys]; by keys [keys, B, 1, rows padded to LANES], the bags' key-major
+        layout."""
+        key = (r0, r1, keys, by_keys)
         if key not in self._tiles:
             pos = self.row_pos[:, r0:r1]
             span = min(keys, round_up(int(pos.max()) + 1, KEY_BLOCK))           # keys any row here sees
-            key_at = torch.arange(span, device=pos.device)
-            if by_keys:   # padding rows sit at position 0: they see key 0 and are dropped
-                pos = F.pad(pos, (0, round_up(r1 - r0, LANES) - (r1 - r0)))
-                visible = (key_at[:, None] <= pos[:, None, :]).to(dtype)[:, None]
+            lo = min(span, int(pos.min()) + 1)
+            key_at = torch.arange(lo, span, device=pos.device)
+            if by_keys:   # padding rows repeat the last row's position (and are dropped)
+                pos = torch.cat([pos, pos[:, -1:].expand(-1, round_up(r1 - r0, LANES) - (r1 - r0))], dim=1)
+                hidden = (key_at[:, None, None] > pos[None])[:, :, None]
             else:
-                visible = (key_at <= pos[..., None]).to(dtype)[:, None]
-            self._tiles[key] = (span, (visible - 1.0) * 1e30, visible)
+                hidden = (key_at > pos[..., None])[:, None]
+            self._tiles[key] = (span, lo, hidden)
         return self._tiles[key]
 
-    def bags(self, groups: int, rows: int, stride: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices, offsets) of ``groups x rows`` bags, each of ``length`` consecutive table
-        rows starting at ``group * stride`` (``stride`` 0: row 0, ``length`` times). Kept for
-        the forward's other layers when small."""
-        key = (groups, rows, stride, length)
+    def bags(self, outer: int, inner: int, outer_stride: int, inner_stride: int, length: int,
+             step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, offsets) of ``outer x inner`` bags of ``length`` table rows each: bag
+        (o, i) reads rows ``o * outer_stride + i * inner_stride + step * j``, j = 0.. in order.
+        Kept when small, for the forward's other layers (and a decode loop's next steps)."""
+        device = self.positions.device
+        key = (outer, inner, outer_stride, inner_stride, length, step, device)
         bags = self._bags.get(key)
         if bags is None:
-            device = self.positions.device
-            along = torch.arange(length, device=device) if stride else torch.zeros(length, dtype=torch.long, device=device)
-            indices = (torch.arange(groups, device=device)[:, None, None] * stride + along).expand(groups, rows, length)
-            bags = (indices.reshape(-1), torch.arange(groups * rows, device=device) * length)
+            start = (torch.arange(outer, device=device)[:, None] * outer_stride
+                     + torch.arange(inner, device=device) * inner_stride)
+            indices = start[..., None] + torch.arange(length, device=device) * step
+            bags = (indices.view(-1), torch.arange(outer * inner, device=device) * length)
             if indices.numel() <= MAX_KEPT_INDICES:
+                if len(self._bags) >= MAX_KEPT:
+                    self._bags.clear()
                 self._bags[key] = bags
         return bags
 
@@ -141,9 +177,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     Every sum is a bag sum (``embedding_bag``, see the module docstring): a score is q . k
     over Dh, an output the probabilities times V over positions 0.., its denominator the
     probabilities over the same positions, each one fused multiply-add after another in that
-    order. Tiles of few query rows per kv head (decode) sum by rows (``_by_rows``), tiles of
-    many (prefill, the trainer) by keys (``_by_keys``): the same multiply-adds in the same
-    order, so the same bits, arranged for the kernel's vector lanes.
+    order. Tiles of few query rows (decode) sum by rows (``_by_rows``), tiles of many
+    (prefill, the trainer) by keys (``_by_keys``): the same multiply-adds in the same order,
+    so the same bits, arranged for the kernel's vector lanes. A kv group's query heads sit
+    side by side in the rows, so a tile covers few positions and skips the keys past them.
     """
     B, Hq, T, Dh = q.shape
     Hkv = k.shape[1]
@@ -151,27 +188,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         raise ValueError(f"invariant.attention: {Hq} query heads are not a multiple of {Hkv} kv heads")
     if q_pos.shape != (B, T):
         raise ValueError(f"invariant.attention: q_pos has shape {tuple(q_pos.shape)}, expected {(B, T)}")
-    G = Hq // Hkv
+    G, BH = Hq // Hkv, B * Hkv
     mask = mask if mask is not None else KeyMask(q_pos, G)
-    # The G query heads of a kv group become G x T query rows against that group's keys.
-    rows = (q * (1.0 / (Dh ** 0.5))).reshape(B * Hkv, G * T, Dh)
+    rows = (q * (1.0 / (Dh ** 0.5))).view(B, Hkv, G, T, Dh).transpose(2, 3).reshape(BH, T * G, Dh)
     # Under autograd (the trainer) the same arithmetic runs out of place.
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    outs = []
-    for r0 in range(0, G * T, QUERY_ROWS):
-        r1 = min(G * T, r0 + QUERY_ROWS)
+    outs, kv = [], None
+    for r0 in range(0, T * G, QUERY_ROWS):
+        r1 = min(T * G, r0 + QUERY_ROWS)
         by_keys = r1 - r0 >= KEYS_FIRST
-        span, bias, visible = mask.tile(r0, r1, k.shape[2], q.dtype, by_keys)
-        outs.append((_by_keys if by_keys else _by_rows)(rows[:, r0:r1], k, v, span, bias, visible, mask, grad))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out.reshape(B, Hq, T, Dh).to(q.dtype)
+        span, lo, hidden = mask.tile(r0, r1, k.shape[2], by_keys)
+        if by_keys:
+            kv = kv if kv is not None else _key_major(k, v, mask.reach(k.shape[2]))
+            outs.append(_by_keys(rows[:, r0:r1], kv, span, lo, hidden, mask, grad))
+        else:
+            outs.append(_by_rows(rows[:, r0:r1], k, v, span, lo, hidden, mask, grad).transpose(1, 2))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)                 # [BH, Dh, rows]
+    return out.view(B, Hkv, Dh, T, G).permute(0, 1, 4, 3, 2).reshape(B, Hq, T, Dh).to(q.dtype)
 
 
-def _by_rows(rows, k, v, span, bias, visible, mask, grad) -> torch.Tensor:
+def _by_rows(rows, k, v, span, lo, hidden, mask, grad) -> torch.Tensor:
     """One bag per query row: its scores sum the Dh rows of K^T (lanes: keys) weighted by
-    its q; its output and denominator sum the rows of V and of 1s (lanes: Dh) weighted by its
-    probabilities. ``k`` laid out as K^T (the engine's cache) is read where it lies when the
-    tile reads most of it; otherwise the tile copies the K^T it reads. [BH, n, Dh]."""
+    its q, its output the rows of V (lanes: Dh) weighted by its probabilities; the
+    denominators sum the rows of P^T (lanes: the query rows), all weighted by 1. ``k`` laid
+    out as K^T (the engine's cache) is read where it lies when the tile reads most of it;
+    otherwise the tile copies the K^T it reads. [BH, n, Dh]."""
     B, Hkv, S, Dh = k.shape
     BH, n = B * Hkv, rows.shape[1]
     keys_t = k.transpose(-1, -2)                                                   # [B, Hkv, Dh, S]
@@ -179,50 +220,68 @@ def _by_rows(rows, k, v, span, bias, visible, mask, grad) -> torch.Tensor:
         table = keys_t.view(BH * Dh, S)
     else:
         table = keys_t[..., :span].contiguous().view(BH * Dh, span)
-    idx, off = mask.bags(BH, n, Dh, Dh)
+    idx, off = mask.bags(BH, n, Dh, 0, Dh)
     scores = F.embedding_bag(idx, table, off, mode="sum", per_sample_weights=rows.contiguous().view(-1))
-    p = _numerators(scores[:, :span].view(B, Hkv, n, span), bias, visible, grad, keys_dim=-1).view(-1)
-    idx, off = mask.bags(BH, n, S, span)
+    p = _numerators(scores[:, :span].view(B, Hkv, n, span), lo, hidden, grad, keys_dim=-1).view(-1)
+    idx, off = mask.bags(BH, n, S, 0, span)
     acc = F.embedding_bag(idx, v.contiguous().view(BH * S, Dh), off, mode="sum", per_sample_weights=p)
-    idx, off = mask.bags(BH, n, 0, span)
-    denom = F.embedding_bag(idx, v.new_ones(1, 1), off, mode="sum", per_sample_weights=p)
-    return (acc / denom).view(BH, n, Dh)
+    idx, off = mask.bags(1, 1, 0, 0, span)
+    denom = F.embedding_bag(idx, p.view(BH * n, span).t().contiguous(), off, mode="sum",
+                            per_sample_weights=p.new_ones(span))
+    return (acc / denom.view(BH * n, 1)).view(BH, n, Dh)
 
 
-def _by_keys(rows, k, v, span, bias, visible, mask, grad) -> torch.Tensor:
-    """One bag per key for the scores (its K row weights the Dh rows of Q^T; lanes: query
-    rows), then one bag per output column (a column of V, or 1s for the denominator, weights
-    the rows of P^T: lanes again query rows). Rows are padded to ``LANES``. [BH, n, Dh]."""
+def _key_major(k: torch.Tensor, v: torch.Tensor, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``reach`` keys as rows, key-major ([keys, BH, Dh]: a tile's keys are a
+    prefix), and V^T with a row of 1s ([BH, Dh + 1, keys]): the by-keys bags' weights."""
     B, Hkv, S, Dh = k.shape
-    BH, n = B * Hkv, rows.shape[1]
-    lanes = visible.shape[-1]
-    q_t = F.pad(rows, (0, 0, 0, lanes - n)).transpose(1, 2).contiguous().view(BH * Dh, lanes)
-    idx, off = mask.bags(BH, span, Dh, Dh)
-    scores = F.embedding_bag(idx, q_t, off, mode="sum", per_sample_weights=k[:, :, :span].contiguous().view(-1))
-    p_t = _numerators(scores.view(B, Hkv, span, lanes), bias, visible, grad, keys_dim=-2)
-    columns = torch.cat([v[:, :, :span].transpose(-1, -2), v.new_ones(B, Hkv, 1, span)], dim=2)  # V^T and 1s
-    idx, off = mask.bags(BH, Dh + 1, span, span)
-    out = F.embedding_bag(idx, p_t.view(BH * span, lanes), off, mode="sum",
-                          per_sample_weights=columns.contiguous().view(-1)).view(BH, Dh + 1, lanes)
-    return (out[:, :Dh, :n] / out[:, Dh:, :n]).transpose(1, 2)
+    keys = k[:, :, :reach].permute(2, 0, 1, 3).contiguous().view(reach, B * Hkv, Dh)
+    columns = torch.cat([v[:, :, :reach].transpose(-1, -2), v.new_ones(B, Hkv, 1, reach)], dim=2)
+    return keys, columns.view(B * Hkv, Dh + 1, reach)
 
 
-def _numerators(scores: torch.Tensor, bias: torch.Tensor, visible: torch.Tensor, grad: bool,
-                keys_dim: int) -> torch.Tensor:
-    """exp(score - max over ``keys_dim``) for visible keys, exact 0 for the others, in a
-    fresh contiguous tensor.
+def _by_keys(rows, kv, span, lo, hidden, mask, grad) -> torch.Tensor:
+    """One bag per (key, kv head) for the scores: its K row weights the Dh rows of Q^T (lanes:
+    the query rows); then one bag per (kv head, output column): a column of V, or 1s for the
+    denominator, weights the rows of P^T (lanes again the query rows). Rows are padded to
+    ``LANES``. [BH, Dh, n]."""
+    keys, columns = kv
+    BH, n, Dh = rows.shape
+    B, lanes = hidden.shape[1], hidden.shape[-1]
+    q_t = (rows if lanes == n else F.pad(rows, (0, 0, 0, lanes - n))).transpose(1, 2).contiguous().view(BH * Dh, lanes)
+    idx, off = mask.bags(span, BH, 0, Dh, Dh)
+    scores = F.embedding_bag(idx, q_t, off, mode="sum", per_sample_weights=keys[:span].view(-1))
+    p_t = _numerators(scores.view(span, B, BH // B, lanes), lo, hidden, grad, keys_dim=0)
+    idx, off = mask.bags(BH, Dh + 1, 1, 0, span, BH)
+    out = F.embedding_bag(idx, p_t.view(span * BH, lanes), off, mode="sum",
+                          per_sample_weights=columns[..., :span].contiguous().view(-1)).view(BH, Dh + 1, lanes)
+    return out[:, :Dh, :n] / out[:, Dh:, :n]
 
-    Masked keys: -1e30 for the maximum, then a factor 0 (not exp(-inf): torch's exp takes a
-    slow path for -inf and underflow). The exponent is clamped to [-80, 0]: a visible term
-    below e^-80 of the largest counts as e^-80, which no float32 sum of terms including 1 (the
-    largest) can tell apart from 0. Without autograd the steps after the first run in place
-    (the same elementwise kernels, so the same bits)."""
-    s = scores + bias
+
+def _numerators(scores: torch.Tensor, lo: int, hidden: torch.Tensor, grad: bool, keys_dim: int) -> torch.Tensor:
+    """exp(score - max over ``keys_dim``) for the keys a row may see, exact 0 for the others,
+    in a fresh contiguous tensor. ``hidden`` covers the keys from ``lo`` on.
+
+    Hidden keys: -1e30 for the maximum, then 0 (not exp(-inf)). The exponent is clamped to
+    [-80, 0]: torch's exp takes a slow path (measured here 10-35x) below about -87, where its
+    results underflow; a visible term below e^-80 of the largest counts as e^-80, which no
+    float32 sum of terms including 1 (the largest) can tell apart from 0. Without autograd
+    the steps run in place (``scores`` is a view of a buffer nobody else holds) and touch
+    only the keys from ``lo`` for the mask; under autograd out of place over all keys: the
+    same elementwise kernels, so the same bits."""
     if grad:
+        hidden = F.pad(hidden, (0, 0) * (scores.dim() - 1 - keys_dim % scores.dim()) + (lo, 0), value=False)
+        s = scores.masked_fill(hidden, -1e30)
         top = s.amax(dim=keys_dim, keepdim=True).detach()                      # exact; softmax ignores it
-        return torch.exp((s - top).clamp(-80.0, 0.0)) * visible
-    top = s.amax(dim=keys_dim, keepdim=True)
-    return s.sub_(top).clamp_(-80.0, 0.0).exp_().mul_(visible)
+        return torch.exp((s - top).clamp(-80.0, 0.0)).masked_fill(hidden, 0.0)
+    if lo < scores.shape[keys_dim]:
+        scores.narrow(keys_dim, lo, scores.shape[keys_dim] - lo).masked_fill_(hidden, -1e30)
+    s = torch.sub(scores, scores.amax(dim=keys_dim, keepdim=True), out=scores if scores.is_contiguous() else None)
+    s = s.contiguous()
+    s.clamp_(-80.0, 0.0).exp_()
+    if lo < s.shape[keys_dim]:
+        s.narrow(keys_dim, lo, s.shape[keys_dim] - lo).masked_fill_(hidden, 0.0)
+    return s
 
 
 def causal_positions(batch: int, start: int, length: int, device) -> torch.Tensor:
