@@ -190,9 +190,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         raise ValueError(f"invariant.attention: q_pos has shape {tuple(q_pos.shape)}, expected {(B, T)}")
     G, BH = Hq // Hkv, B * Hkv
     mask = mask if mask is not None else KeyMask(q_pos, G)
-    rows = (q * (1.0 / (Dh ** 0.5))).view(B, Hkv, G, T, Dh).transpose(2, 3).reshape(BH, T * G, Dh)
+    rows = q * (1.0 / (Dh ** 0.5))
+    rows = rows.reshape(BH, G, Dh) if T == 1 else rows.view(B, Hkv, G, T, Dh).transpose(2, 3).reshape(BH, T * G, Dh)
     # Under autograd (the trainer) the same arithmetic runs out of place.
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if T == 1 and G < KEYS_FIRST:   # a decode step: one tile, by rows, already in head order
+        span, lo, hidden = mask.tile(0, G, k.shape[2], False)
+        return _by_rows(rows, k, v, span, lo, hidden, mask, grad).view(B, Hq, 1, Dh).to(q.dtype)
     outs, kv = [], None
     for r0 in range(0, T * G, QUERY_ROWS):
         r1 = min(T * G, r0 + QUERY_ROWS)
