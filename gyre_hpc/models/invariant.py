@@ -181,6 +181,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     (prefill, the trainer) by keys (``_by_keys``): the same multiply-adds in the same order,
     so the same bits, arranged for the kernel's vector lanes. A kv group's query heads sit
     side by side in the rows, so a tile covers few positions and skips the keys past them.
+    Under autograd the gradient comes from plain softmax attention (``_Attention``).
     """
     B, Hq, T, Dh = q.shape
     Hkv = k.shape[1]
@@ -188,15 +189,53 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         raise ValueError(f"invariant.attention: {Hq} query heads are not a multiple of {Hkv} kv heads")
     if q_pos.shape != (B, T):
         raise ValueError(f"invariant.attention: q_pos has shape {tuple(q_pos.shape)}, expected {(B, T)}")
+    mask = mask if mask is not None else KeyMask(q_pos, Hq // Hkv)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, mask)
+    return _attend(q, k, v, mask)
+
+
+class _Attention(torch.autograd.Function):
+    """The bag sums forward (the engine's bits), the gradient of plain softmax attention
+    backward (SDPA over one tile of queries at a time, recomputed): the same function up to
+    rounding, and a gradient needs no fixed order. torch's embedding_bag backward is a
+    generic scatter (sorting indices): measured 2x the trainer's whole step. Saves q, k and
+    v only, so memory stays linear in the row."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        ctx.save_for_backward(q, k, v, mask.positions)
+        return _attend(q, k, v, mask)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, q_pos = ctx.saved_tensors
+        G, S = q.shape[1] // k.shape[1], k.shape[2]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        key_at = torch.arange(S, device=q.device)
+        for t0 in range(0, q.shape[2], QUERY_ROWS):
+            t1 = min(q.shape[2], t0 + QUERY_ROWS)
+            with torch.enable_grad():
+                qt, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, t0:t1], k, v))
+                seen = (key_at <= q_pos[:, t0:t1, None])[:, None]
+                out = F.scaled_dot_product_attention(qt, kk.repeat_interleave(G, 1), vv.repeat_interleave(G, 1),
+                                                     attn_mask=seen)
+                gq, gk, gv = torch.autograd.grad(out, (qt, kk, vv), grad[:, :, t0:t1])
+            dq[:, :, t0:t1] = gq
+            dk += gk
+            dv += gv
+        return dq, dk, dv, None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: KeyMask) -> torch.Tensor:
+    B, Hq, T, Dh = q.shape
+    Hkv = k.shape[1]
     G, BH = Hq // Hkv, B * Hkv
-    mask = mask if mask is not None else KeyMask(q_pos, G)
     rows = q * (1.0 / (Dh ** 0.5))
     rows = rows.reshape(BH, G, Dh) if T == 1 else rows.view(B, Hkv, G, T, Dh).transpose(2, 3).reshape(BH, T * G, Dh)
-    # Under autograd (the trainer) the same arithmetic runs out of place.
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if T == 1 and G < KEYS_FIRST:   # a decode step: one tile, by rows, already in head order
         span, lo, hidden = mask.tile(0, G, k.shape[2], False)
-        return _by_rows(rows, k, v, span, lo, hidden, mask, grad).view(B, Hq, 1, Dh).to(q.dtype)
+        return _by_rows(rows, k, v, span, lo, hidden, mask).view(B, Hq, 1, Dh).to(q.dtype)
     outs, kv = [], None
     for r0 in range(0, T * G, QUERY_ROWS):
         r1 = min(T * G, r0 + QUERY_ROWS)
@@ -204,14 +243,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         span, lo, hidden = mask.tile(r0, r1, k.shape[2], by_keys)
         if by_keys:
             kv = kv if kv is not None else _key_major(k, v, mask.reach(k.shape[2]))
-            outs.append(_by_keys(rows[:, r0:r1], kv, span, lo, hidden, mask, grad))
+            outs.append(_by_keys(rows[:, r0:r1], kv, span, lo, hidden, mask))
         else:
-            outs.append(_by_rows(rows[:, r0:r1], k, v, span, lo, hidden, mask, grad).transpose(1, 2))
+            outs.append(_by_rows(rows[:, r0:r1], k, v, span, lo, hidden, mask).transpose(1, 2))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)                 # [BH, Dh, rows]
     return out.view(B, Hkv, Dh, T, G).permute(0, 1, 4, 3, 2).reshape(B, Hq, T, Dh).to(q.dtype)
 
 
-def _by_rows(rows, k, v, span, lo, hidden, mask, grad) -> torch.Tensor:
+def _by_rows(rows, k, v, span, lo, hidden, mask) -> torch.Tensor:
     """One bag per query row: its scores sum the Dh rows of K^T (lanes: keys) weighted by
     its q, its output the rows of V (lanes: Dh) weighted by its probabilities; the
     denominators sum the rows of P^T (lanes: the query rows), all weighted by 1. ``k`` laid
@@ -226,7 +265,7 @@ def _by_rows(rows, k, v, span, lo, hidden, mask, grad) -> torch.Tensor:
         table = keys_t[..., :span].contiguous().view(BH * Dh, span)
     idx, off = mask.bags(BH, n, Dh, 0, Dh)
     scores = F.embedding_bag(idx, table, off, mode="sum", per_sample_weights=rows.contiguous().view(-1))
-    p = _numerators(scores[:, :span].view(B, Hkv, n, span), lo, hidden, grad, keys_dim=-1).view(-1)
+    p = _numerators(scores[:, :span].view(B, Hkv, n, span), lo, hidden, keys_dim=-1).view(-1)
     idx, off = mask.bags(BH, n, S, 0, span)
     acc = F.embedding_bag(idx, v.contiguous().view(BH * S, Dh), off, mode="sum", per_sample_weights=p)
     idx, off = mask.bags(1, 1, 0, 0, span)
@@ -244,7 +283,7 @@ def _key_major(k: torch.Tensor, v: torch.Tensor, reach: int) -> tuple[torch.Tens
     return keys, columns.view(B * Hkv, Dh + 1, reach)
 
 
-def _by_keys(rows, kv, span, lo, hidden, mask, grad) -> torch.Tensor:
+def _by_keys(rows, kv, span, lo, hidden, mask) -> torch.Tensor:
     """One bag per (key, kv head) for the scores: its K row weights the Dh rows of Q^T (lanes:
     the query rows); then one bag per (kv head, output column): a column of V, or 1s for the
     denominator, weights the rows of P^T (lanes again the query rows). Rows are padded to
@@ -255,29 +294,22 @@ def _by_keys(rows, kv, span, lo, hidden, mask, grad) -> torch.Tensor:
     q_t = (rows if lanes == n else F.pad(rows, (0, 0, 0, lanes - n))).transpose(1, 2).contiguous().view(BH * Dh, lanes)
     idx, off = mask.bags(span, BH, 0, Dh, Dh)
     scores = F.embedding_bag(idx, q_t, off, mode="sum", per_sample_weights=keys[:span].view(-1))
-    p_t = _numerators(scores.view(span, B, BH // B, lanes), lo, hidden, grad, keys_dim=0)
+    p_t = _numerators(scores.view(span, B, BH // B, lanes), lo, hidden, keys_dim=0)
     idx, off = mask.bags(BH, Dh + 1, 1, 0, span, BH)
     out = F.embedding_bag(idx, p_t.view(span * BH, lanes), off, mode="sum",
                           per_sample_weights=columns[..., :span].contiguous().view(-1)).view(BH, Dh + 1, lanes)
     return out[:, :Dh, :n] / out[:, Dh:, :n]
 
 
-def _numerators(scores: torch.Tensor, lo: int, hidden: torch.Tensor, grad: bool, keys_dim: int) -> torch.Tensor:
+def _numerators(scores: torch.Tensor, lo: int, hidden: torch.Tensor, keys_dim: int) -> torch.Tensor:
     """exp(score - max over ``keys_dim``) for the keys a row may see, exact 0 for the others,
-    in a fresh contiguous tensor. ``hidden`` covers the keys from ``lo`` on.
+    in a contiguous tensor, in place where ``scores`` (a view of a buffer nobody else holds)
+    allows. ``hidden`` covers the keys from ``lo`` on.
 
     Hidden keys: -1e30 for the maximum, then 0 (not exp(-inf)). The exponent is clamped to
     [-80, 0]: torch's exp takes a slow path (measured here 10-35x) below about -87, where its
     results underflow; a visible term below e^-80 of the largest counts as e^-80, which no
-    float32 sum of terms including 1 (the largest) can tell apart from 0. Without autograd
-    the steps run in place (``scores`` is a view of a buffer nobody else holds) and touch
-    only the keys from ``lo`` for the mask; under autograd out of place over all keys: the
-    same elementwise kernels, so the same bits."""
-    if grad:
-        hidden = F.pad(hidden, (0, 0) * (scores.dim() - 1 - keys_dim % scores.dim()) + (lo, 0), value=False)
-        s = scores.masked_fill(hidden, -1e30)
-        top = s.amax(dim=keys_dim, keepdim=True).detach()                      # exact; softmax ignores it
-        return torch.exp((s - top).clamp(-80.0, 0.0)).masked_fill(hidden, 0.0)
+    float32 sum of terms including 1 (the largest) can tell apart from 0."""
     if lo < scores.shape[keys_dim]:
         scores.narrow(keys_dim, lo, scores.shape[keys_dim] - lo).masked_fill_(hidden, -1e30)
     s = torch.sub(scores, scores.amax(dim=keys_dim, keepdim=True), out=scores if scores.is_contiguous() else None)

@@ -58,6 +58,21 @@ def test_attention_equals_causal_softmax_attention():
     assert torch.allclose(got, ref, atol=1e-5)
 
 
+def test_attention_gradient_is_plain_softmax_attentions():
+    """Under autograd the bag-sum forward keeps its bits and the gradient is plain attention's
+    (recomputed by SDPA per tile of queries), with grouped-query heads summed into k and v."""
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 300, seed=7))
+    q_pos = inv.causal_positions(1, 0, 300, "cpu")
+    out = inv.attention(q, k, v, q_pos)
+    with torch.no_grad():
+        assert torch.equal(out, inv.attention(q, k, v, q_pos))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    for a, b in zip(got, torch.autograd.grad(ref, (q, k, v), grad)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_attention_bits_depend_only_on_a_querys_own_keys():
     """One query (position 100) computed alone, in a chunk, in a batch with longer rows
     and garbage past its position, with more padding: the same bits."""
