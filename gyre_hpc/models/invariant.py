@@ -52,6 +52,7 @@ KEY_BLOCK = 64     # key counts read are rounded up to this: bag kernels are com
 QUERY_ROWS = 128   # query rows per tile: its scores stay in L2 (any value gives the same bits)
 LANES = 16         # a by-keys tile's query rows are padded to a multiple of this (a vector)
 KEYS_FIRST = 32    # tiles of at least this many query rows per kv head sum by keys
+KEY_CHUNK = 1024   # by keys, the values bags take at most this many keys at a time (P^T ~ L2)
 MAX_KEPT_INDICES = 1 << 22   # bag index lists up to this size are kept for a forward's layers
 MAX_KEPT = 64                # and at most this many lists and masks in a caller's memo
 
@@ -157,11 +158,45 @@ class KeyMask:
                      + torch.arange(inner, device=device) * inner_stride)
             indices = start[..., None] + torch.arange(length, device=device) * step
             bags = (indices.view(-1), torch.arange(outer * inner, device=device) * length)
-            if indices.numel() <= MAX_KEPT_INDICES:
-                if len(self._bags) >= MAX_KEPT:
-                    self._bags.clear()
-                self._bags[key] = bags
+            self._keep(key, bags, indices.numel())
         return bags
+
+
+    def key_bags(self, keys: int, groups: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One bag per (key, group) of ``length`` rows, group g's rows g * length..: the same
+        rows for every key, so the lists for fewer keys are prefixes of these (one list serves
+        every tile)."""
+        device = self.positions.device
+        key = ("keys", groups, length, device)
+        kept = self._bags.get(key)
+        if kept is None or kept[2] < keys:
+            n = max(keys, 2 * kept[2]) if kept is not None else keys
+            indices = torch.arange(groups * length, device=device).repeat(n)
+            kept = (indices, torch.arange(n * groups, device=device) * length, n)
+            self._keep(key, kept, indices.numel())
+        return kept[0][:keys * groups * length], kept[1][:keys * groups]
+
+    def chained_bags(self, outer: int, inner: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``outer x inner`` bags that each first read their own running sum (table row
+        ``o * inner + i``) and then ``length`` rows of the chunk after those sums, the rows of
+        group o every ``outer`` rows from row ``outer * inner + o``."""
+        device = self.positions.device
+        key = ("chained", outer, inner, length, device)
+        bags = self._bags.get(key)
+        if bags is None:
+            head = torch.arange(outer * inner, device=device).view(outer, inner, 1)
+            body = (outer * inner + torch.arange(outer, device=device)[:, None, None]
+                    + torch.arange(length, device=device) * outer).expand(outer, inner, length)
+            indices = torch.cat([head, body], dim=2)
+            bags = (indices.view(-1), torch.arange(outer * inner, device=device) * (length + 1))
+            self._keep(key, bags, indices.numel())
+        return bags
+
+    def _keep(self, key: tuple, value, size: int) -> None:
+        if size <= MAX_KEPT_INDICES:
+            if len(self._bags) >= MAX_KEPT:
+                self._bags.clear()
+            self._bags[key] = value
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -287,33 +322,60 @@ def _by_keys(rows, kv, span, lo, hidden, mask) -> torch.Tensor:
     """One bag per (key, kv head) for the scores: its K row weights the Dh rows of Q^T (lanes:
     the query rows); then one bag per (kv head, output column): a column of V, or 1s for the
     denominator, weights the rows of P^T (lanes again the query rows). Rows are padded to
-    ``LANES``. [BH, Dh, n]."""
+    ``LANES``. Each values bag streams all of P^T, so more than ``KEY_CHUNK`` keys go chunk
+    by chunk (P^T stays in L2): a bag's sum so far enters the next chunk's bag as its first
+    term, weight 1, and ``fma(1, s, 0) == s``, so the chain of multiply-adds is unbroken and
+    the bits are those of one bag over all keys. [BH, Dh, n]."""
     keys, columns = kv
     BH, n, Dh = rows.shape
     B, lanes = hidden.shape[1], hidden.shape[-1]
     q_t = (rows if lanes == n else F.pad(rows, (0, 0, 0, lanes - n))).transpose(1, 2).contiguous().view(BH * Dh, lanes)
-    idx, off = mask.bags(span, BH, 0, Dh, Dh)
+    idx, off = mask.key_bags(span, BH, Dh)
     scores = F.embedding_bag(idx, q_t, off, mode="sum", per_sample_weights=keys[:span].view(-1))
-    p_t = _numerators(scores.view(span, B, BH // B, lanes), lo, hidden, keys_dim=0)
-    idx, off = mask.bags(BH, Dh + 1, 1, 0, span, BH)
-    out = F.embedding_bag(idx, p_t.view(span * BH, lanes), off, mode="sum",
-                          per_sample_weights=columns[..., :span].contiguous().view(-1)).view(BH, Dh + 1, lanes)
+    scores = scores.view(span, B, BH // B, lanes)
+    top = _mask_top(scores, lo, hidden, keys_dim=0)
+    if span <= KEY_CHUNK:
+        p_t = _exp_from(scores, top, lo, hidden, keys_dim=0)
+        idx, off = mask.bags(BH, Dh + 1, 1, 0, span, BH)
+        out = F.embedding_bag(idx, p_t.view(span * BH, lanes), off, mode="sum",
+                              per_sample_weights=columns[..., :span].contiguous().view(-1))
+    else:
+        out = scores.new_zeros(BH * (Dh + 1), lanes)
+        for c0 in range(0, span, KEY_CHUNK):
+            c1 = min(span, c0 + KEY_CHUNK)
+            at = min(max(lo, c0), c1)                     # the chunk's first hidden key
+            p_t = _exp_from(scores[c0:c1], top, at - c0, hidden[at - lo:c1 - lo], keys_dim=0)
+            idx, off = mask.chained_bags(BH, Dh + 1, c1 - c0)
+            weights = torch.cat([columns.new_ones(BH, Dh + 1, 1), columns[..., c0:c1]], dim=2)
+            out = F.embedding_bag(idx, torch.cat([out, p_t.view(-1, lanes)]), off, mode="sum",
+                                  per_sample_weights=weights.view(-1))
+    out = out.view(BH, Dh + 1, lanes)
     return out[:, :Dh, :n] / out[:, Dh:, :n]
 
 
 def _numerators(scores: torch.Tensor, lo: int, hidden: torch.Tensor, keys_dim: int) -> torch.Tensor:
     """exp(score - max over ``keys_dim``) for the keys a row may see, exact 0 for the others,
     in a contiguous tensor, in place where ``scores`` (a view of a buffer nobody else holds)
-    allows. ``hidden`` covers the keys from ``lo`` on.
+    allows. ``hidden`` covers the keys from ``lo`` on."""
+    return _exp_from(scores, _mask_top(scores, lo, hidden, keys_dim), lo, hidden, keys_dim)
 
-    Hidden keys: -1e30 for the maximum, then 0 (not exp(-inf)). The exponent is clamped to
-    [-80, 0]: torch's exp takes a slow path (measured here 10-35x) below about -87, where its
-    results underflow; a visible term below e^-80 of the largest counts as e^-80, which no
-    float32 sum of terms including 1 (the largest) can tell apart from 0."""
+
+def _mask_top(scores: torch.Tensor, lo: int, hidden: torch.Tensor, keys_dim: int) -> torch.Tensor:
+    """The maximum over ``keys_dim`` of the keys a row may see (exact in any order); hidden
+    keys are set to -1e30 in place for it (not -inf: see ``_exp_from``)."""
     if lo < scores.shape[keys_dim]:
         scores.narrow(keys_dim, lo, scores.shape[keys_dim] - lo).masked_fill_(hidden, -1e30)
-    s = torch.sub(scores, scores.amax(dim=keys_dim, keepdim=True), out=scores if scores.is_contiguous() else None)
-    s = s.contiguous()
+    return scores.amax(dim=keys_dim, keepdim=True)
+
+
+def _exp_from(scores: torch.Tensor, top: torch.Tensor, lo: int, hidden: torch.Tensor, keys_dim: int) -> torch.Tensor:
+    """exp(score - top), exact 0 for hidden keys (those from ``lo`` on where ``hidden``).
+
+    The exponent is clamped to [-80, 0]: torch's exp takes a slow path (measured here
+    10-35x) below about -87, where its results underflow; a visible term below e^-80 of the
+    largest counts as e^-80, which no float32 sum of terms including 1 (the largest) can
+    tell apart from 0. Hidden keys (-1e30) land there too and are then set to 0."""
+    s = torch.sub(scores, top, out=scores if scores.is_contiguous() else None).contiguous()
     s.clamp_(-80.0, 0.0).exp_()
     if lo < s.shape[keys_dim]:
         s.narrow(keys_dim, lo, s.shape[keys_dim] - lo).masked_fill_(hidden, 0.0)

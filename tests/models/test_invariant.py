@@ -58,6 +58,19 @@ def test_attention_equals_causal_softmax_attention():
     assert torch.allclose(got, ref, atol=1e-5)
 
 
+def test_a_query_past_several_key_chunks_gets_its_bits_alone_and_in_a_prefill():
+    """Prefill tiles sum more than KEY_CHUNK keys chunk by chunk, each bag's sum carried into
+    the next chunk; a decode step sums by rows in one chain. The same bits."""
+    n = 2 * inv.KEY_CHUNK + 300
+    q, k, v = _qkv(1, 4, 2, n, seed=9)
+    full = inv.attention(q, k, v, inv.causal_positions(1, 0, n, "cpu"))
+    for at in (inv.KEY_CHUNK - 1, inv.KEY_CHUNK, 2 * inv.KEY_CHUNK + 7, n - 1):
+        alone = inv.attention(q[:, :, at:at + 1], k[:, :, :at + 1], v[:, :, :at + 1], torch.tensor([[at]]))
+        assert torch.equal(alone, full[:, :, at:at + 1]), at
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert torch.allclose(full, ref, atol=1e-5)
+
+
 def test_attention_gradient_is_plain_softmax_attentions():
     """Under autograd the bag-sum forward keeps its bits and the gradient is plain attention's
     (recomputed by SDPA per tile of queries), with grouped-query heads summed into k and v."""
