@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 ROW_TILE = 4       # rows of every product are padded to a multiple of this
 MIN_COLUMNS = 16   # the fewest columns of any product
-KEY_BLOCK = 64     # key counts read are rounded up to this: bag kernels are compiled per row width
+KEY_BLOCK = 64     # copied K^T tables are this many keys wide or a multiple: bag kernels are compiled per width
 QUERY_ROWS = 128   # query rows per tile: its scores stay in L2 (any value gives the same bits)
 LANES = 16         # a by-keys tile's query rows are padded to a multiple of this (a vector)
 KEYS_FIRST = 32    # tiles of at least this many query rows per kv head sum by keys
@@ -91,10 +91,11 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 class KeyMask:
     """What the queries of one forward read, built once and shared by its layers (they all
-    attend from the same positions). Per tile of query rows: the keys it reads (rounded up to
-    ``KEY_BLOCK``) and which of them each row may not see (over the keys some row of the tile
-    cannot see, broadcast over the kv heads); and the index lists of the bag sums. Row ``t * groups + g`` is query head g of a kv group at
-    position t. ``positions``: the queries' [B, T] positions it was built from."""
+    attend from the same positions). Per tile of query rows: the keys it reads (up to its
+    last position) and which of them each row may not see (only over the keys some row of
+    the tile cannot see; broadcast over the kv heads); and the index lists of the bag sums.
+    Row ``t * groups + g`` is query head g of a kv group at position t. ``positions``: the
+    queries' [B, T] positions it was built from."""
 
     def __init__(self, q_pos: torch.Tensor, groups: int, memo: dict | None = None):
         B, T = q_pos.shape
@@ -122,22 +123,24 @@ class KeyMask:
     def reach(self, keys: int) -> int:
         """Keys any query reads, of ``keys`` available."""
         if keys not in self._reach:
-            self._reach[keys] = min(keys, round_up(int(self.row_pos.max()) + 1, KEY_BLOCK))
+            self._reach[keys] = min(keys, int(self.row_pos.max()) + 1)
         return self._reach[keys]
 
     def tile(self, r0: int, r1: int, keys: int, by_keys: bool):
         """(keys read, first hidden key, hidden) for rows [r0, r1) of ``keys`` available. Keys
         below the first hidden one are visible to every row of the tile, so ``hidden`` (True
-        where a row may not see a key) covers only the keys from there: by rows
-        [B, 1, rows, keys]; by keys [keys, B, 1, rows padded to LANES], the bags' key-major
-        layout."""
+        where a row may not see a key; None when none is hidden) covers only the keys from
+        there: by rows [B, 1, rows, keys]; by keys [keys, B, 1, rows padded to LANES], the
+        bags' key-major layout."""
         key = (r0, r1, keys, by_keys)
         if key not in self._tiles:
             pos = self.row_pos[:, r0:r1]
-            span = min(keys, round_up(int(pos.max()) + 1, KEY_BLOCK))           # keys any row here sees
+            span = min(keys, int(pos.max()) + 1)                                  # keys any row here sees
             lo = min(span, int(pos.min()) + 1)
-            key_at = torch.arange(lo, span, device=pos.device)
-            if by_keys:   # padding rows repeat the last row's position (and are dropped)
+            key_at = torch.arange(lo, span, device=pos.device) if lo < span else None
+            if key_at is None:   # every row sees every key (a decode step of equal lengths)
+                hidden = None
+            elif by_keys:   # padding rows repeat the last row's position (and are dropped)
                 pos = torch.cat([pos, pos[:, -1:].expand(-1, round_up(r1 - r0, LANES) - (r1 - r0))], dim=1)
                 hidden = (key_at[:, None, None] > pos[None])[:, :, None]
             else:
@@ -206,7 +209,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     ``q`` [B, Hq, T, Dh]; ``k``, ``v`` [B, Hkv, S, Dh] with each row's keys at their absolute
     positions 0..S-1 (keys past a query's position may hold anything finite: they are masked);
     ``q_pos`` [B, T], the absolute position of each query. Query head h reads kv head
-    h // (Hq / Hkv). Returns [B, Hq, T, Dh] in q's dtype. ``mask``: the ``KeyMask`` of
+    h // (Hq / Hkv). Returns [B, Hq, T, Dh] in their dtype (one). ``mask``: the ``KeyMask`` of
     ``q_pos`` when several layers attend from the same positions (built here otherwise).
 
     Every sum is a bag sum (``embedding_bag``, see the module docstring): a score is q . k
@@ -270,7 +273,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: KeyMask) ->
     rows = rows.reshape(BH, G, Dh) if T == 1 else rows.view(B, Hkv, G, T, Dh).transpose(2, 3).reshape(BH, T * G, Dh)
     if T == 1 and G < KEYS_FIRST:   # a decode step: one tile, by rows, already in head order
         span, lo, hidden = mask.tile(0, G, k.shape[2], False)
-        return _by_rows(rows, k, v, span, lo, hidden, mask).view(B, Hq, 1, Dh).to(q.dtype)
+        return _by_rows(rows, k, v, span, lo, hidden, mask).view(B, Hq, 1, Dh)
     outs, kv = [], None
     for r0 in range(0, T * G, QUERY_ROWS):
         r1 = min(T * G, r0 + QUERY_ROWS)
@@ -282,7 +285,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: KeyMask) ->
         else:
             outs.append(_by_rows(rows[:, r0:r1], k, v, span, lo, hidden, mask).transpose(1, 2))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)                 # [BH, Dh, rows]
-    return out.view(B, Hkv, Dh, T, G).permute(0, 1, 4, 3, 2).reshape(B, Hq, T, Dh).to(q.dtype)
+    return out.view(B, Hkv, Dh, T, G).permute(0, 1, 4, 3, 2).reshape(B, Hq, T, Dh)
 
 
 def _by_rows(rows, k, v, span, lo, hidden, mask) -> torch.Tensor:
@@ -297,7 +300,8 @@ def _by_rows(rows, k, v, span, lo, hidden, mask) -> torch.Tensor:
     if keys_t.is_contiguous() and 2 * span > S:
         table = keys_t.view(BH * Dh, S)
     else:
-        table = keys_t[..., :span].contiguous().view(BH * Dh, span)
+        width = min(S, round_up(span, KEY_BLOCK))
+        table = keys_t[..., :width].contiguous().view(BH * Dh, width)
     idx, off = mask.bags(BH, n, Dh, 0, Dh)
     scores = F.embedding_bag(idx, table, off, mode="sum", per_sample_weights=rows.contiguous().view(-1))
     p = _numerators(scores[:, :span].view(B, Hkv, n, span), lo, hidden, keys_dim=-1).view(-1)
@@ -328,7 +332,7 @@ def _by_keys(rows, kv, span, lo, hidden, mask) -> torch.Tensor:
     the bits are those of one bag over all keys. [BH, Dh, n]."""
     keys, columns = kv
     BH, n, Dh = rows.shape
-    B, lanes = hidden.shape[1], hidden.shape[-1]
+    B, lanes = mask.positions.shape[0], round_up(n, LANES)
     q_t = (rows if lanes == n else F.pad(rows, (0, 0, 0, lanes - n))).transpose(1, 2).contiguous().view(BH * Dh, lanes)
     idx, off = mask.key_bags(span, BH, Dh)
     scores = F.embedding_bag(idx, q_t, off, mode="sum", per_sample_weights=keys[:span].view(-1))
@@ -344,7 +348,7 @@ def _by_keys(rows, kv, span, lo, hidden, mask) -> torch.Tensor:
         for c0 in range(0, span, KEY_CHUNK):
             c1 = min(span, c0 + KEY_CHUNK)
             at = min(max(lo, c0), c1)                     # the chunk's first hidden key
-            p_t = _exp_from(scores[c0:c1], top, at - c0, hidden[at - lo:c1 - lo], keys_dim=0)
+            p_t = _exp_from(scores[c0:c1], top, at - c0, None if at == c1 else hidden[at - lo:c1 - lo], keys_dim=0)
             idx, off = mask.chained_bags(BH, Dh + 1, c1 - c0)
             weights = torch.cat([columns.new_ones(BH, Dh + 1, 1), columns[..., c0:c1]], dim=2)
             out = F.embedding_bag(idx, torch.cat([out, p_t.view(-1, lanes)]), off, mode="sum",
