@@ -27,7 +27,8 @@ so that it depends only on the token's own context, never on what it was compute
   query's result depends only on its keys 0..position, never on the padding, the batch, the
   chunk it came in or where its KV was computed. The softmax maximum is exact in any order
   and ``exp`` is elementwise. Operands are contiguous: a strided one sends torch to its own
-  loop, which multiplies and adds with two roundings.
+  loop, which multiplies and adds with two roundings. Under autograd the gradient is plain
+  softmax attention's (a gradient needs no fixed order; only the forward's bits matter).
 * **SiLU** is ``x / (1 + exp(-x))``: torch's fused ``silu`` and ``sigmoid`` give another last
   bit for elements that fall in a vector loop's scalar tail (seen here: ~4% of tail elements),
   so an element's value depends on its place in the tensor. ``exp``, ``rsqrt``, products and
@@ -37,9 +38,11 @@ RMSNorm (a mean over one row), rotary positions (computed per element in float64
 embeddings and ``log_softmax`` over a row are invariant as they are.
 
 What it costs: small products padded to 4 rows, attention sums in bag kernels (a decode
-step reads K^T and V where the engine's cache holds them), ``exp`` and the masks as separate
-passes; ``bench engines`` reports the tokens/s ratio against ``native``. What it does not
-cover: GPU kernels and bf16 (their gap is measured per step, not assumed away).
+step reads K^T and V where the engine's cache holds them; they run near BLAS speed but
+``exp``, the maximum and the masks are separate passes and each layer is some 30 small torch
+calls where SDPA is one), SiLU in four passes; ``bench engines`` reports the tokens/s ratio
+against ``native`` (docs/rl.md). What it does not cover: GPU kernels and bf16 (their gap is
+measured per step, not assumed away).
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ KEYS_FIRST = 32    # tiles of at least this many query rows per kv head sum by k
 KEY_CHUNK = 1024   # by keys, the values bags take at most this many keys at a time (P^T ~ L2)
 MAX_KEPT_INDICES = 1 << 22   # bag index lists up to this size are kept for a forward's layers
 MAX_KEPT = 64                # and at most this many lists and masks in a caller's memo
+
 
 def round_up(n: int, tile: int) -> int:
     """``n`` rounded up to a whole number of ``tile`` (0 stays 0)."""
