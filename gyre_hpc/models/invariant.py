@@ -56,8 +56,8 @@ QUERY_ROWS = 128   # query rows per tile: its scores stay in L2 (any value gives
 LANES = 16         # a by-keys tile's query rows are padded to a multiple of this (a vector)
 KEYS_FIRST = 32    # tiles of at least this many query rows per kv head sum by keys
 KEY_CHUNK = 1024   # by keys, the values bags take at most this many keys at a time (P^T ~ L2)
-MAX_KEPT_INDICES = 1 << 22   # bag index lists up to this size are kept for a forward's layers
-MAX_KEPT = 64                # and at most this many lists and masks in a caller's memo
+MAX_KEPT_INDICES = 1 << 22   # a memo keeps bag index lists of at most this many indices in all
+MAX_KEPT = 64                # and at most this many lists and masks
 
 
 def round_up(n: int, tile: int) -> int:
@@ -119,9 +119,7 @@ class KeyMask:
         mask = memo.get(key)
         if mask is None:
             mask = cls(causal_positions(1, start, length, device), groups, memo)
-            if len(memo) >= MAX_KEPT:
-                memo.clear()
-            memo[key] = mask
+            _keep(memo, key, mask, 0)
         return mask
 
     def reach(self, keys: int) -> int:
@@ -200,10 +198,19 @@ class KeyMask:
         return bags
 
     def _keep(self, key: tuple, value, size: int) -> None:
-        if size <= MAX_KEPT_INDICES:
-            if len(self._bags) >= MAX_KEPT:
-                self._bags.clear()
-            self._bags[key] = value
+        _keep(self._bags, key, value, size)
+
+
+def _keep(memo: dict, key: tuple, value, size: int) -> None:
+    """Keep ``value`` (``size`` indices) in ``memo``, emptying it first when full: it holds
+    what shapes alone determine, so anything dropped is rebuilt on demand."""
+    kept = memo.get("kept indices", 0)
+    if len(memo) > MAX_KEPT or kept + size > MAX_KEPT_INDICES:
+        memo.clear()
+        kept = 0
+    if size <= MAX_KEPT_INDICES:
+        memo[key] = value
+        memo["kept indices"] = kept + size
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

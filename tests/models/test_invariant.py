@@ -147,3 +147,17 @@ def test_a_layer_too_narrow_for_the_kernels_is_refused():
 def test_round_up_gives_whole_tiles():
     assert inv.round_up(0, 64) == 0 and inv.round_up(1, 64) == 64
     assert inv.round_up(64, 64) == 64 and inv.round_up(65, 64) == 128 and inv.round_up(5, 4) == 8
+
+
+def test_a_callers_memo_of_masks_and_index_lists_stays_bounded_and_serves_again():
+    memo: dict = {}
+    first = inv.KeyMask.causal(0, 40, 2, "cpu", memo)
+    assert inv.KeyMask.causal(0, 40, 2, "cpu", memo) is first              # prompts of one length share it
+    for span in range(1, 400):
+        idx, off = first.bags(4, 2, 700, 0, span)
+        assert idx.numel() == 8 * span and idx[span - 1] == span - 1 and idx[-1] == 3 * 700 + span - 1
+        assert len(memo) <= inv.MAX_KEPT + 2 and memo["kept indices"] <= inv.MAX_KEPT_INDICES
+    idx, off = first.key_bags(30, 2, 4)                                     # a prefix of the list for more keys
+    assert torch.equal(idx, torch.arange(8).repeat(30)) and torch.equal(off, torch.arange(60) * 4)
+    idx, off = first.chained_bags(2, 3, 5)          # its running sum first, then the chunk's rows of its group
+    assert idx.view(6, 6)[4].tolist() == [4, 7, 9, 11, 13, 15] and off.tolist() == [0, 6, 12, 18, 24, 30]
