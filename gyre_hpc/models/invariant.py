@@ -154,7 +154,7 @@ class KeyMask:
              step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, offsets) of ``outer x inner`` bags of ``length`` table rows each: bag
         (o, i) reads rows ``o * outer_stride + i * inner_stride + step * j``, j = 0.. in order.
-        Kept when small, for the forward's other layers (and a decode loop's next steps)."""
+        Kept in the memo for the forward's other layers (and an engine's next forwards)."""
         device = self.positions.device
         key = (outer, inner, outer_stride, inner_stride, length, step, device)
         bags = self._bags.get(key)
@@ -165,7 +165,6 @@ class KeyMask:
             bags = (indices.view(-1), torch.arange(outer * inner, device=device) * length)
             self._keep(key, bags, indices.numel())
         return bags
-
 
     def key_bags(self, keys: int, groups: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One bag per (key, group) of ``length`` rows, group g's rows g * length..: the same
