@@ -28,11 +28,14 @@ mask at all: two attention passes (past, no mask; chunk, ``is_causal``) merged b
 log-sum-exp. The CPU flash kernel hands out that log-sum-exp; elsewhere the chunk attends to
 a view of past + chunk under a lower-right causal bias (untested here: no GPU in CI).
 
-Invariant hooks (``invariant=True``, TorchEngine's default): both passes become one call of
+An invariant cache (``invariant=True``, TorchEngine's default) attends through
 ``models.invariant.attention`` over the row's keys 0..position, the same function the trainer's
 tree attention calls, so a token's output does not depend on the batch, the chunking or
-whether its keys were prefilled here, retained or migrated. Capacity is kept a multiple of
-its key block, so the keys are read as a view of the buffer (no padding copy).
+whether its keys were prefilled here, retained or migrated. It stores each layer's keys as
+K^T (``[rows, Hkv, Dh, capacity]``; ``k[layer]`` is the transposed view, so every other method
+reads and writes it as above): the kernel sums a query's scores over rows of K^T, and reads
+them, and the values, where they lie for the batch's rows, never copied per step. Capacity is
+a multiple of its key block (the kernels are compiled per row length).
 """
 from __future__ import annotations
 
@@ -46,13 +49,16 @@ class SlotKVCache:
     """Per-layer ``[rows, Hkv, capacity, Dh]`` buffers; ``lengths[row]`` tokens are valid in each row."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_rows: int = 32, max_tokens: int = 1 << 30):
+                 device: torch.device | str = "cpu", max_rows: int = 32, max_tokens: int = 1 << 30,
+                 invariant: bool = False):
         if min(n_layers, n_kv_heads, head_dim, max_rows, max_tokens) < 1:
             raise ValueError(f"SlotKVCache: n_layers={n_layers}, n_kv_heads={n_kv_heads}, head_dim={head_dim}, "
                              f"max_rows={max_rows}, max_tokens={max_tokens} must all be >= 1")
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.invariant = invariant
+        self.memo: dict = {}   # the invariant kernels' masks and index lists, kept from forward to forward
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.lengths: list[int] = []
@@ -72,16 +78,22 @@ class SlotKVCache:
 
     def _resize(self, rows: int, capacity: int) -> None:
         n, old_cap = self.n_rows, self.capacity
-        # A multiple of the invariant kernels' key block (when the bound allows): their keys are
-        # then a view of the buffer, never a padded copy.
-        capacity = max(capacity, min(self.max_tokens, inv.key_blocks_span(capacity)))
+        # A multiple of the invariant kernels' key block (when the bound allows): they are
+        # compiled per row length, so lengths stay few.
+        capacity = max(capacity, min(self.max_tokens, inv.round_up(capacity, inv.KEY_BLOCK)))
         shape = (rows, self.n_kv_heads, capacity, self.head_dim)
-        fresh = [[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-                 for _ in range(2)]
+        fresh = [[self._zeros(shape, transposed=(i == 0 and self.invariant)) for _ in range(self.n_layers)]
+                 for i in range(2)]
         for old, new in zip((self.k, self.v), fresh):
             for o, nw in zip(old, new):
                 nw[:n, :, :old_cap] = o[:n]
         self.k, self.v = fresh
+
+    def _zeros(self, shape: tuple, transposed: bool) -> torch.Tensor:
+        """A zero buffer of ``shape``; ``transposed``: stored as its last two dims swapped."""
+        if not transposed:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(*shape[:-2], shape[-1], shape[-2], dtype=self.dtype, device=self.device).transpose(-1, -2)
 
     def reserve(self, tokens: int) -> None:
         """Make every row hold at least ``tokens`` tokens (capacity doubles, up to ``max_tokens``)."""
@@ -143,27 +155,21 @@ class SlotKVCache:
         self.lengths[row] = n
 
     # -- model hooks (contract: attend(layer, q, k, v)) -------------------------------------
-    def prefill(self, row: int, n_new: int, invariant: bool = False) -> "PrefillAttention":
+    def prefill(self, row: int, n_new: int) -> "PrefillAttention":
         """The hook for one forward of ``n_new`` tokens of ``row``, after its cached past."""
         self.reserve(self.lengths[row] + n_new + 1)  # + 1: room for the next decode write
-        return PrefillAttention(self, row, self.lengths[row], n_new, invariant)
+        return PrefillAttention(self, row, self.lengths[row], n_new)
 
-    def decode(self, invariant: bool = False) -> "DecodeAttention":
+    def decode(self) -> "DecodeAttention":
         """The hook for one forward of one new token of every row, in row order."""
         self.reserve(max(self.lengths) + 1)
-        return DecodeAttention(self, invariant)
-
-    def key_span(self, tokens: int) -> int:
-        """Keys to read for ``tokens`` valid ones: rounded up to the invariant key block
-        where the buffer holds that many (the rest is masked)."""
-        return min(self.capacity, inv.key_blocks_span(tokens))
+        return DecodeAttention(self)
 
 
 class PrefillAttention:
-    def __init__(self, cache: SlotKVCache, row: int, start: int, n_new: int, invariant: bool = False):
+    def __init__(self, cache: SlotKVCache, row: int, start: int, n_new: int):
         self.cache, self.row, self.start, self.n_new = cache, row, start, n_new
-        self.invariant = invariant
-        self.mask = None
+        self.key_mask: inv.KeyMask | None = None   # one per forward: every layer attends from these positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c, row, start = self.cache, self.row, self.start
@@ -171,12 +177,11 @@ class PrefillAttention:
         kb, vb = c.k[layer], c.v[layer]
         kb[row, :, start:start + T] = k[0]
         vb[row, :, start:start + T] = v[0]
-        if self.invariant:
-            span = c.key_span(start + T)
-            if self.mask is None:   # one per forward: every layer attends from these positions
-                self.positions = inv.causal_positions(1, start, T, q.device)
-                self.mask = inv.KeyMask(self.positions, q.shape[1] // k.shape[1])
-            return inv.attention(q, kb[row:row + 1, :, :span], vb[row:row + 1, :, :span], self.positions, self.mask)
+        if c.invariant:   # the whole row: the mask hides what lies past each query
+            if self.key_mask is None:
+                self.key_mask = inv.KeyMask.causal(start, T, q.shape[1] // k.shape[1], q.device, c.memo)
+            km = self.key_mask
+            return inv.attention(q, kb[row:row + 1], vb[row:row + 1], km.positions, km)
         groups = q.shape[1] // k.shape[1]
         if start == 0:
             return F.scaled_dot_product_attention(q, _expand(k, groups), _expand(v, groups), is_causal=True)
@@ -193,9 +198,9 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    def __init__(self, cache: SlotKVCache, invariant: bool = False):
-        self.cache, self.invariant = cache, invariant
-        self.key_mask = None
+    def __init__(self, cache: SlotKVCache):
+        self.cache = cache
+        self.key_mask: inv.KeyMask | None = None   # one per forward: every layer attends from these positions
         n = cache.n_rows
         self.pos = torch.tensor(cache.lengths, device=cache.device)
         self.rows = torch.arange(n, device=cache.device)
@@ -217,11 +222,11 @@ class DecodeAttention:
         else:
             kb[self.rows, :, self.pos] = k[:, :, 0]
             vb[self.rows, :, self.pos] = v[:, :, 0]
-        if self.invariant:
-            span = self.cache.key_span(self.span)
-            if self.key_mask is None:   # one per forward: every layer attends from these positions
-                self.key_mask = inv.KeyMask(self.pos[:, None], Hq // k.shape[1])
-            return inv.attention(q, kb[:B, :, :span], vb[:B, :, :span], self.pos[:, None], self.key_mask)
+        if self.cache.invariant:   # the batch's whole rows: the mask hides what lies past each query
+            if self.key_mask is None:
+                self.key_mask = inv.KeyMask(self.pos[:, None], Hq // k.shape[1], self.cache.memo)
+            km = self.key_mask
+            return inv.attention(q, kb[:B], vb[:B], km.positions, km)
         hkv = k.shape[1]
         # The G query heads of a kv group become G query rows against that group's keys.
         out = F.scaled_dot_product_attention(q.reshape(B, hkv, Hq // hkv, Dh), kb[:B, :, :self.span],

@@ -126,7 +126,7 @@ class TorchEngine(EngineBookkeeping, Engine):
         # One cache row per batch slot (the cache's own default of 32 rows had a 64-wide
         # engine die at its 33rd sequence).
         self._cache = SlotKVCache(cfg.n_layers, n_kv_heads, head_dim, dtype, self._device,
-                                  max_rows=max_batch, max_tokens=cfg.max_position)
+                                  max_rows=max_batch, max_tokens=cfg.max_position, invariant=invariant)
         self._rows: list[_Sequence] = []   # the running sequences in cache-row order
         self._seed_source = torch.Generator().manual_seed(seed)
         self._queue: deque[_Sequence] = deque()
@@ -244,7 +244,7 @@ class TorchEngine(EngineBookkeeping, Engine):
                 else:
                     cache = SlotKVCache(self._layout.n_layers, self._layout.n_heads, self._layout.head_dim,
                                         self._layout.torch_dtype(), self._device,
-                                        max_tokens=self.model.config.max_position)
+                                        max_tokens=self.model.config.max_position, invariant=self.invariant)
                     cache.add_row(len(context) + 1)
                     if reuse:
                         cache.write(0, reuse)
@@ -272,7 +272,7 @@ class TorchEngine(EngineBookkeeping, Engine):
         for at in range(start, end, self.prefill_chunk):
             ids = ids_all[at - start:at - start + self.prefill_chunk][None]
             pos = torch.arange(at, at + ids.shape[1], device=self._device)[None]
-            hook = cache.prefill(row, ids.shape[1], self.invariant)
+            hook = cache.prefill(row, ids.shape[1])
             logits = self.model(ids, pos, kv_cache=hook, invariant=self.invariant)
             hook.commit()
         self._c["prefill_tokens"] += end - start
@@ -298,7 +298,7 @@ class TorchEngine(EngineBookkeeping, Engine):
     def _decode(self) -> list[TokenEvent]:
         batch = list(self._rows)
         ids = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long, device=self._device)
-        hook = self._cache.decode(self.invariant)
+        hook = self._cache.decode()
         logits = self.model(ids, hook.pos[:, None], kv_cache=hook, invariant=self.invariant)   # each row's position is its length
         hook.commit()
         self._c["decode_tokens"] += len(batch)

@@ -19,7 +19,7 @@ def step_rows(st: StepState, rec: RLStepRecord, replicas: int, now: float) -> li
     rows.append(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens, replicas=replicas,
                         loss=rec.loss, reward_mean=rec.reward_mean, policy_version=rec.policy_version,
                         recomputed_prefill_tokens=rec.recomputed_prefill_tokens,
-                        logprob_gap_max=gap.max_abs if gap.targets else float("nan"),
+                        logprob_gap_max=gap.max_abs,
                         logprob_gap_mean=gap.mean_abs, pre_update_clip_share=gap.clip_share,
                         behaviour_kl=gap.kl))
     return rows

@@ -313,13 +313,12 @@ class InvariantTreeAttention:
     """Tree attention through ``models.invariant.attention``: the engine's numbers, bit for bit.
 
     The engine computed each sampled token's logits with its keys at positions 0..its own,
-    reduced in key blocks aligned to position 0. Here each path segment (``path_segments``)
-    gathers its path's keys in position order and calls the same kernel, so a token's
-    attention is the same function of the same vectors: which tokens share its row, its
-    micro-batch or a chunk does not enter. Called with fewer queries than keys, the queries
-    are the last rows (a chunk of a long row, see ``trees.chunked``). Under autograd each
-    segment runs under activation checkpointing: its scores are recomputed in backward (by the
-    same kernel, so the same bits) instead of kept, and memory stays linear in the row.
+    each sum taken in position order. Here each path segment (``path_segments``) gathers its
+    path's keys in position order and calls the same kernel, so a token's attention is the
+    same function of the same vectors: which tokens share its row, its micro-batch or a chunk
+    does not enter. Called with fewer queries than keys, the queries are the last rows (a
+    chunk of a long row, see ``trees.chunked``). Under autograd the kernel keeps only its
+    inputs and recomputes plain attention for the gradient, so memory stays linear in the row.
     """
 
     def __init__(self, position_ids: torch.Tensor):
@@ -334,7 +333,6 @@ class InvariantTreeAttention:
                              f"and {S} keys (queries must be the last of the keys, no more keys than the row)")
         offset = S - Lq
         k, v = _expand_kv_heads(q, k, v)
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         rows = []
         for b, plan in enumerate(self.plans):
             parts = []
@@ -350,11 +348,8 @@ class InvariantTreeAttention:
                 mask = self._masks.get((b, s0, e0))
                 if mask is None:
                     mask = self._masks[(b, s0, e0)] = inv.KeyMask(pos, 1)
-                args = (q[b:b + 1, :, s0 - offset:e0 - offset], k[b:b + 1, :, idx], v[b:b + 1, :, idx], pos, mask)
-                if needs_grad:   # recomputed in backward (the same bits): memory linear in the row
-                    parts.append(checkpoint(inv.attention, *args, use_reentrant=False))
-                else:
-                    parts.append(inv.attention(*args))
+                parts.append(inv.attention(q[b:b + 1, :, s0 - offset:e0 - offset], k[b:b + 1, :, idx],
+                                           v[b:b + 1, :, idx], pos, mask))
             rows.append(torch.cat(parts, dim=2))
         return torch.cat(rows, dim=0)
 

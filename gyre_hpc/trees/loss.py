@@ -155,11 +155,12 @@ class LogprobGap:
     |trainer - behaviour|; ``clipped``: targets whose ratio already lies outside
     [1 - eps, 1 + eps]; ``kl``: the k3 estimate of KL(behaviour || trainer), mean of
     r - 1 - log r. All 0 when the engine and trainer agree bit for bit (``model.numerics:
-    invariant`` with TorchEngine). Summed over micro-batches and replicas with ``merge``.
+    invariant`` with TorchEngine), all NaN over no targets. Summed over micro-batches and
+    replicas with ``merge``.
     """
 
     targets: int = 0
-    max_abs: float = 0.0
+    max_abs: float = float("nan")
     sum_abs: float = 0.0
     clipped: int = 0
     kl_sum: float = 0.0
@@ -169,14 +170,17 @@ class LogprobGap:
             return
         d = logp.detach().to(torch.float64) - behaviour_logp.detach().to(torch.float64)
         ratio = torch.exp(d)
+        worst = float(d.abs().max())
+        self.max_abs = max(self.max_abs, worst) if self.targets else worst
         self.targets += int(d.numel())
-        self.max_abs = max(self.max_abs, float(d.abs().max()))
         self.sum_abs += float(d.abs().sum())
         self.clipped += int(((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).sum())
         self.kl_sum += float((ratio - 1.0 - d).sum())
 
     def merge(self, other: "LogprobGap") -> "LogprobGap":
-        return LogprobGap(self.targets + other.targets, max(self.max_abs, other.max_abs),
+        worst = (other.max_abs if not self.targets else self.max_abs if not other.targets
+                 else max(self.max_abs, other.max_abs))
+        return LogprobGap(self.targets + other.targets, worst,
                           self.sum_abs + other.sum_abs, self.clipped + other.clipped, self.kl_sum + other.kl_sum)
 
     @property

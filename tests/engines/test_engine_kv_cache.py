@@ -34,13 +34,14 @@ def _cache(**kw):
     return SlotKVCache(LAYERS, HKV, DH, torch.float64, **kw)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("chunk", [3, 7, 40])
-def test_chunked_prefill_then_batched_decode_equals_full_attention_with_gqa(chunk):
+def test_chunked_prefill_then_batched_decode_equals_full_attention_with_gqa(chunk, invariant):
     gen = torch.Generator().manual_seed(0)
     lengths = [11, 5, 17]                      # prompts of different lengths share a decode batch
     steps = 4
     seqs = [_qkv(gen, n + steps) for n in lengths]
-    cache = _cache()
+    cache = _cache(invariant=invariant)
     for (q, k, v), n in zip(seqs, lengths):
         row = cache.add_row(n)
         for start in range(0, n, chunk):
@@ -75,8 +76,9 @@ def _filled(cache, n, value):
     return row
 
 
-def test_removing_a_row_moves_the_last_row_into_it_and_an_empty_cache_frees_its_buffers():
-    cache = _cache()
+@pytest.mark.parametrize("invariant", [False, True])
+def test_removing_a_row_moves_the_last_row_into_it_and_an_empty_cache_frees_its_buffers(invariant):
+    cache = _cache(invariant=invariant)
     for i, n in enumerate((4, 9, 6)):
         _filled(cache, n, 10.0 * i)
     assert cache.remove_row(0) == 2          # row 2 now lives in row 0
@@ -91,8 +93,9 @@ def test_removing_a_row_moves_the_last_row_into_it_and_an_empty_cache_frees_its_
         cache.remove_row(0)
 
 
-def test_growth_in_rows_and_tokens_keeps_every_row():
-    cache = _cache(max_tokens=1000)
+@pytest.mark.parametrize("invariant", [False, True])
+def test_growth_in_rows_and_tokens_keeps_every_row(invariant):
+    cache = _cache(max_tokens=1000, invariant=invariant)
     rows = [_filled(cache, 3 + i, float(i)) for i in range(5)]       # rows 1 -> 2 -> 4 -> 8
     cache.reserve(700)                                   # tokens 256 -> 700, rounded up to the key block
     assert cache.allocated_rows == 8 and cache.capacity == 704
@@ -104,10 +107,11 @@ def test_growth_in_rows_and_tokens_keeps_every_row():
         cache.reserve(1001)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("kv_heads", [HKV, 1])
-def test_read_is_a_copy_the_reused_row_cannot_change(kv_heads):
+def test_read_is_a_copy_the_reused_row_cannot_change(kv_heads, invariant):
     """One kv head is the trap: a transposed [1, n, Dh] row already counts as contiguous."""
-    cache = SlotKVCache(LAYERS, kv_heads, DH, torch.float64)
+    cache = SlotKVCache(LAYERS, kv_heads, DH, torch.float64, invariant=invariant)
     for value in (1.0, 7.0):
         row = cache.add_row(5)
         cache.write(row, [(torch.full((5, kv_heads, DH), value), torch.full((5, kv_heads, DH), -value))] * LAYERS)
@@ -129,6 +133,18 @@ def test_decode_writes_into_the_same_storage_every_step():
         e.step()
     assert [t.data_ptr() for t in e._cache.k + e._cache.v] == ptrs
     assert e._cache.lengths == [n + 10 for n in before]
+
+
+def test_an_invariant_cache_keeps_keys_as_k_transposed_for_the_bag_sums():
+    """The invariant kernels read a row's K^T as rows of length capacity: stored so, a decode
+    step reads the cache where it lies; ``k[layer]`` is still the [rows, Hkv, capacity, Dh] view."""
+    cache = _cache(invariant=True)
+    _filled(cache, 5, 3.0)
+    k, v = cache.k[0], cache.v[0]
+    assert k.shape == v.shape == (1, HKV, cache.capacity, DH)
+    assert k.transpose(-1, -2).is_contiguous() and v.is_contiguous()
+    assert bool((k[0, :, :5] == 3.0).all()) and bool((k[0, :, 5:] == 0.0).all())
+    assert _cache().k == [] and SlotKVCache(LAYERS, HKV, DH, torch.float64).invariant is False
 
 
 def test_the_model_refuses_a_mask_or_past_next_to_its_kv_cache():

@@ -58,6 +58,34 @@ def test_attention_equals_causal_softmax_attention():
     assert torch.allclose(got, ref, atol=1e-5)
 
 
+def test_a_query_past_several_key_chunks_gets_its_bits_alone_and_in_a_prefill():
+    """Prefill tiles sum more than KEY_CHUNK keys chunk by chunk, each bag's sum carried into
+    the next chunk; a decode step sums by rows in one chain. The same bits."""
+    n = 2 * inv.KEY_CHUNK + 300
+    q, k, v = _qkv(1, 4, 2, n, seed=9)
+    full = inv.attention(q, k, v, inv.causal_positions(1, 0, n, "cpu"))
+    for at in (inv.KEY_CHUNK - 1, inv.KEY_CHUNK, 2 * inv.KEY_CHUNK + 7, n - 1):
+        alone = inv.attention(q[:, :, at:at + 1], k[:, :, :at + 1], v[:, :, :at + 1], torch.tensor([[at]]))
+        assert torch.equal(alone, full[:, :, at:at + 1]), at
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert torch.allclose(full, ref, atol=1e-5)
+
+
+def test_attention_gradient_is_plain_softmax_attentions():
+    """Under autograd the bag-sum forward keeps its bits and the gradient is plain attention's
+    (recomputed by SDPA per tile of queries), with grouped-query heads summed into k and v."""
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 300, seed=7))
+    q_pos = inv.causal_positions(1, 0, 300, "cpu")
+    out = inv.attention(q, k, v, q_pos)
+    with torch.no_grad():
+        assert torch.equal(out, inv.attention(q, k, v, q_pos))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    for a, b in zip(got, torch.autograd.grad(ref, (q, k, v), grad)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_attention_bits_depend_only_on_a_querys_own_keys():
     """One query (position 100) computed alone, in a chunk, in a batch with longer rows
     and garbage past its position, with more padding: the same bits."""
@@ -77,12 +105,28 @@ def test_attention_bits_depend_only_on_a_querys_own_keys():
     assert torch.equal(alone, batched)
 
 
-def test_in_order_adds_block_after_block():
-    blocks = torch.randn(1, 1, 5, 3)
-    expected = blocks[:, :, 0] + blocks[:, :, 1] + blocks[:, :, 2] + blocks[:, :, 3] + blocks[:, :, 4]
-    assert torch.equal(inv.in_order(blocks), expected)
-    padded = torch.cat([blocks, torch.zeros(1, 1, 4, 3)], dim=2)
-    assert torch.equal(inv.in_order(padded), expected)
+def test_a_bag_sum_is_one_fused_multiply_add_after_another():
+    """What the attention rests on: per output element, embedding_bag takes fma(w, x, acc)
+    term by term from 0 (emulated here in float64, where w * x is exact), so trailing
+    zero-weight terms and other lanes of the table change no bit."""
+    g = torch.Generator().manual_seed(5)
+    table, w = torch.randn(300, 37, generator=g), torch.randn(300, generator=g)
+
+    def bag(n, width=37, pad=0):
+        weights = torch.cat([w[:n], torch.zeros(pad)])
+        return F.embedding_bag(torch.arange(n + pad), table[:n + pad, :width].contiguous(), torch.tensor([0]),
+                               mode="sum", per_sample_weights=weights)[0]
+
+    chain = torch.zeros(37)
+    for i in range(250):
+        chain = (w[i].double() * table[i].double() + chain.double()).float()
+    assert torch.equal(bag(250), chain)
+    assert torch.equal(bag(250, pad=50), chain)
+    assert torch.equal(bag(250, width=5), chain[:5]) and torch.equal(bag(250, width=16), chain[:16])
+    plain = torch.zeros(37)
+    for i in range(250):
+        plain = plain + w[i] * table[i]
+    assert not torch.equal(bag(250), plain)   # the negative control: two roundings per term differ
 
 
 def test_invariant_forward_is_close_to_the_native_one():
@@ -100,7 +144,20 @@ def test_a_layer_too_narrow_for_the_kernels_is_refused():
         inv.linear(torch.randn(3, 8), torch.randn(8, 8))
 
 
-def test_key_blocks_span_rounds_up_to_whole_blocks():
-    from gyre_hpc.models.invariant import KEY_BLOCK, key_blocks_span
-    assert key_blocks_span(0) == 0 and key_blocks_span(1) == KEY_BLOCK
-    assert key_blocks_span(KEY_BLOCK) == KEY_BLOCK and key_blocks_span(KEY_BLOCK + 1) == 2 * KEY_BLOCK
+def test_round_up_gives_whole_tiles():
+    assert inv.round_up(0, 64) == 0 and inv.round_up(1, 64) == 64
+    assert inv.round_up(64, 64) == 64 and inv.round_up(65, 64) == 128 and inv.round_up(5, 4) == 8
+
+
+def test_a_callers_memo_of_masks_and_index_lists_stays_bounded_and_serves_again():
+    memo: dict = {}
+    first = inv.KeyMask.causal(0, 40, 2, "cpu", memo)
+    assert inv.KeyMask.causal(0, 40, 2, "cpu", memo) is first              # prompts of one length share it
+    for span in range(1, 400):
+        idx, off = first.bags(4, 2, 700, 0, span)
+        assert idx.numel() == 8 * span and idx[span - 1] == span - 1 and idx[-1] == 3 * 700 + span - 1
+        assert len(memo) <= inv.MAX_KEPT + 2 and memo["kept indices"] <= inv.MAX_KEPT_INDICES
+    idx, off = first.key_bags(30, 2, 4)                                     # a prefix of the list for more keys
+    assert torch.equal(idx, torch.arange(8).repeat(30)) and torch.equal(off, torch.arange(60) * 4)
+    idx, off = first.chained_bags(2, 3, 5)          # its running sum first, then the chunk's rows of its group
+    assert idx.view(6, 6)[4].tolist() == [4, 7, 9, 11, 13, 15] and off.tolist() == [0, 6, 12, 18, 24, 30]

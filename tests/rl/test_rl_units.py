@@ -601,6 +601,11 @@ def test_a_micro_batch_reports_its_logprob_gap():
     merged = LogprobGap(2, 0.1, 0.1, 0, 0.0).merge(LogprobGap(2, 0.3, 0.4, 1, 0.2))
     assert (merged.targets, merged.max_abs, merged.mean_abs, merged.clip_share) == (4, 0.3, 0.125, 0.25)
     assert merged.kl == pytest.approx(0.05)
+    empty = LogprobGap()   # no targets: every figure NaN, and merging it changes nothing
+    assert all(np.isnan(x) for x in (empty.max_abs, empty.mean_abs, empty.clip_share, empty.kl))
+    assert empty.merge(merged) == merged and merged.merge(empty) == merged
+    empty.add(torch.zeros(0), torch.zeros(0), 0.2)
+    assert np.isnan(empty.max_abs)
 
 
 def test_progress_lines_print_each_step_as_it_lands(tmp_path):
