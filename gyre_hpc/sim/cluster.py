@@ -110,7 +110,9 @@ class FleetSim:
         # after dispatch, for want of a slot or KV memory, or more requests and runs than
         # the target occupancy), as seen by the decision epochs; None while it does not.
         self.over_since: float | None = None
-        self.target = e.target_seqs()
+        # What an engine holds before demand counts as over capacity: the policy's own bulk
+        # target when it has one (elastic), else the engine's slots (the runtime's DemandClock).
+        self.target = int(getattr(getattr(policy, "params", None), "target_requests_per_engine", 0) or e.max_seqs)
         self.batches: dict[int, Batch] = {}
         self.run_base: dict[int, int] = {}
         self.batch_version: dict[int, int] = {}
@@ -802,12 +804,12 @@ def simulate(w: Workload, policy: Policy, policy_name: str) -> SimResult:
 
 def policy_for(w: Workload, name: str, **params) -> Policy:
     """The registry's policy (any name ``gyre_hpc.sched.registry`` knows), with the inputs
-    the workload knows better: async's configured split, and elastic's parameters from
-    ``w.policy.elastic`` with its target occupancy, KV figure and training-rate prior sized
-    from the workload's engine and trainer unless the workload sets them."""
+    the workload knows better: async's configured split, and elastic's parameters sized from
+    the workload's engine and trainer (``sched.elastic.device_sized``, as a fleet of paced
+    cells sizes them) with ``w.policy.elastic``'s set fields and ``params`` over them."""
     import dataclasses
 
-    from gyre_hpc.sched.elastic import ElasticParams
+    from gyre_hpc.sched.elastic import ElasticParams, ElasticPolicy, device_sized
     from gyre_hpc.sched.registry import get_policy
     if name == "async":
         params.setdefault("train_cells", w.async_split())
@@ -817,7 +819,6 @@ def policy_for(w: Workload, name: str, **params) -> Policy:
         for f in dataclasses.fields(ElasticParams):
             if getattr(given, f.name) != getattr(default, f.name):
                 params.setdefault(f.name, getattr(given, f.name))
-        params.setdefault("target_requests_per_engine", w.engine.target_seqs())
-        params.setdefault("default_train_tokens_per_s", w.train.tokens_per_s)
-        params.setdefault("kv_tokens_per_engine", w.engine.kv_capacity_tokens())
+        get_policy(name, **params)     # unknown names fail as the registry words it
+        return ElasticPolicy(device_sized(w.engine, w.train, params))
     return get_policy(name, **params)

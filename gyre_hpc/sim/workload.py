@@ -20,6 +20,7 @@ import numpy as np
 from gyre_hpc.config import read_yaml_mapping
 from gyre_hpc.devices import DeviceError, EngineModel, TrainModel, device_preset
 from gyre_hpc.sched.elastic import ElasticParams
+from gyre_hpc.sched.tail import DEFAULT_FRACTION as TAIL_FRACTION
 
 
 class WorkloadError(ValueError):
@@ -226,8 +227,11 @@ PRESETS: dict[str, Workload] = {
     # rates from the paper preset's dimensionless shape (sim.shape).
     "paper-local": Workload(
         name="paper-local", steps=3, seed=0, decision_interval_s=0.25, engine_sample_s=2.0,
+        # The runtime's tail (rl.cluster_view ranks this share of the open runs).
+        tail_fraction=TAIL_FRACTION,
         run=RunShape(
-            tasks_per_step=6, runs_per_task=8,
+            # 12 groups of 4, as examples/paper-local.yaml runs them.
+            tasks_per_step=12, runs_per_task=4,
             calls=Dist(kind="fixed", median=3),
             output_tokens=Dist(median=24, sigma=0.15, cap=24),
             context_tokens=Dist(median=50, sigma=0.05),

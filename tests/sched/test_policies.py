@@ -401,3 +401,17 @@ def test_every_elastic_reason_states_figures_that_hold():
                 assert int(m[1]) <= float(m[3]) * int(m[4]) * int(m[2]), ch.reason
                 checked += 1
     assert checked > 20
+
+
+def test_device_sized_elastic_takes_the_engines_latency_target_kv_and_training_rate():
+    from gyre_hpc.devices import EngineModel, TrainModel
+    from gyre_hpc.sched.elastic import device_sized
+
+    e = EngineModel(single_seq_tokens_per_s=20.0, half_saturation_seqs=8.0, max_seqs=32, gpus=1, gpu_memory_gb=1.0,
+                    weights_gb=0.1, kv_bytes_per_token=50_000.0)
+    p = device_sized(e, TrainModel(tokens_per_s=80.0))
+    # (1 + 8) / 0.9 - 8 = 2: two sequences decode within 10% of one alone.
+    assert (p.target_requests_per_engine, p.kv_tokens_per_engine, p.default_train_tokens_per_s) == (2, 16000, 80.0)
+    assert device_sized(e, TrainModel(), {"fill": 0.5, "target_requests_per_engine": 7}).target_requests_per_engine == 7
+    with pytest.raises(TypeError):
+        device_sized(e, TrainModel(), {"slots": 3})
