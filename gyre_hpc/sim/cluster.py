@@ -16,6 +16,7 @@ import heapq
 import math
 import time as wallclock
 from collections import deque
+from typing import Mapping
 
 from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
@@ -39,7 +40,7 @@ class SimError(RuntimeError):
 
 class _Engine:
     __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx", "parked", "parked_ctx", "seq_s", "kv_s",
-                 "pf", "pf_ctx", "pf_until")
+                 "pf", "pf_ctx", "pf_until", "pf_from")
 
     def __init__(self) -> None:
         self.clock = 0.0      # tokens each resident sequence has been served
@@ -59,6 +60,7 @@ class _Engine:
         self.pf: dict[int, tuple[int, float]] = {}
         self.pf_ctx = 0.0
         self.pf_until = 0.0   # when the prefill server is free
+        self.pf_from = 0.0    # since when it has been busy without a break (decode waits then, in-step prefill)
 
     @property
     def resident(self) -> int:
@@ -74,8 +76,10 @@ class _Cell:
 
 
 class FleetSim:
-    def __init__(self, w: Workload, policy: Policy, policy_name: str):
+    def __init__(self, w: Workload, policy: Policy, policy_name: str, batches: Mapping[int, Batch] | None = None):
         self.w, self.policy, self.name = w, policy, policy_name
+        # Given batches (a real run's own runs, ``sim.trace``) replace sampled ones step by step.
+        self.given = dict(batches or {})
         self.staleness = staleness_bound(policy)
         f, e = w.fleet, w.engine
         n_ro, core = f.rollout_only, w.core_cells
@@ -180,10 +184,18 @@ class FleetSim:
         """What the engine's decoding sequences produce together (prefilling ones move none)."""
         return len(e.heap) * self.rate(e) if e.heap else 0.0
 
+    def decoding_s(self, e: _Engine, until: float) -> float:
+        """Seconds of [e.t, until] the engine decodes: all of it, less the prefills when they
+        run inside its steps (``EngineModel.prefill_in_step``: the decode waits for them)."""
+        dt = until - e.t
+        if self.dev.prefill_in_step:
+            dt -= max(0.0, min(until, e.pf_until) - max(e.t, e.pf_from))
+        return dt
+
     def advance(self, e: _Engine) -> None:
         dt = self.now - e.t
         if e.heap:
-            e.clock += self.rate(e) * dt
+            e.clock += self.rate(e) * self.decoding_s(e, self.now)
         if e.heap or e.pf:
             e.seq_s += e.resident * dt
             e.kv_s += (e.ctx + e.pf_ctx + e.parked_ctx) * dt
@@ -194,6 +206,8 @@ class FleetSim:
         e.stamp += 1
         if e.heap:
             dt = max(e.heap[0][0] - e.clock, 0.0) / self.rate(e)
+            if self.dev.prefill_in_step:
+                dt += max(0.0, e.pf_until - max(self.now, e.pf_from))   # the decode waits for the prefills
             self.push(self.now + dt, _ENGINE, cid, e.stamp)
         e.load_stamp += 1
         if self.serving(self.cells[cid]):
@@ -263,6 +277,8 @@ class FleetSim:
             # The engine's prefill server: one prompt at a time at compute speed; the call
             # holds its slot and KV meanwhile and decodes once its prompt is in.
             start = max(self.now, e.pf_until)
+            if start == self.now:
+                e.pf_from = self.now       # a new busy spell of the prefill server
             e.pf_until = start + prefill
             e.pf[run] = (self.run_placed[run], work)
             e.pf_ctx += need
@@ -475,7 +491,7 @@ class FleetSim:
     def on_launch(self, step: int) -> None:
         self.launch_pending = False
         self.engines_version = self.version
-        b = sample_batch(self.w, step)
+        b = self.given[step] if step in self.given else sample_batch(self.w, step)
         self.batches[step] = b
         base = len(self.run_batch)
         self.run_base[step] = base
@@ -798,8 +814,8 @@ class FleetSim:
             engines=self.engine_rows, events_log=self.event_rows, runs=self.run_rows)
 
 
-def simulate(w: Workload, policy: Policy, policy_name: str) -> SimResult:
-    return FleetSim(w, policy, policy_name).run()
+def simulate(w: Workload, policy: Policy, policy_name: str, batches: Mapping[int, Batch] | None = None) -> SimResult:
+    return FleetSim(w, policy, policy_name, batches).run()
 
 
 def policy_for(w: Workload, name: str, **params) -> Policy:

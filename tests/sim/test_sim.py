@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 
 from gyre_hpc.rundir.metrics import read_table
 from gyre_hpc.sched.state import ClusterState, Role, RoleChange
-from gyre_hpc.sim.batch import sample_batch
-from gyre_hpc.sim.cluster import SimError, policy_for, simulate
+from gyre_hpc.sim.batch import Batch, sample_batch
+from gyre_hpc.sim.cluster import FleetSim, SimError, policy_for, simulate
 from gyre_hpc.sim.compare import compare, scaled
 from gyre_hpc.sim.record import write_run
 from gyre_hpc.sim.workload import Dist, EngineModel, WorkloadError, load_workload, preset
@@ -481,3 +482,25 @@ def test_the_regime_shape_is_read_off_colocate_and_the_batches():
     assert shape["runs_per_engine"] == pytest.approx(16 / 5) and shape["runs_per_engine_over_kv_contexts"] is None
     heavy = regime_shape(scaled(fixed, **{"run.calls": Dist("lognormal", 3, 1.0)}), r)
     assert heavy["slowest_over_median_run"] > 1.5
+
+
+def test_a_prefill_inside_the_step_delays_the_decoding_sequences_by_its_length():
+    e = dataclasses.replace(TINY.engine, prefill_in_step=True)
+    w = dataclasses.replace(scaled(TINY, **{"fleet.cells": 2, "fleet.async_train_cells": 1}), engine=e)
+    sim = FleetSim(w, policy_for(w, "colocate"), "colocate")
+    eng = sim.engines[1]
+    sim.cells[1].role = Role.ROLLOUT
+    sim.now = 0.0
+    for run in (0, 1):   # two runs' worth of bookkeeping, outside a batch
+        sim.run_batch.append(0); sim.run_idx.append(0); sim.run_deadline.append(math.inf); sim.run_tokens.append(0.0)
+        sim.run_start.append(0.0); sim.run_migrations.append(0); sim.run_where.append(-1); sim.run_done.append(False)
+        sim.run_home.append(-1); sim.run_cached.append(0.0); sim.run_placed.append(0)
+    sim.batches[0] = Batch(step=0, work=[[100.0], [10.0]], prefill_s=[[0.0], [2.0]], tool_s=[[0.0], [0.0]],
+                           tokens=[[1.0], [1.0]], ctx=[[0.0], [0.0]], group=[0, 0], calls=[1, 1], critical_s=[0, 0])
+    sim.run_base[0] = 0
+    sim.place(0, 1, 100.0)                    # decoding alone: 100 tokens at the single-sequence speed
+    alone = 100.0 / sim.rate(eng)
+    sim.now = 1.0
+    sim.place(1, 1, 10.0, prefill=2.0)        # a 2 s prefill arrives after 1 s
+    t, _, kind, cid, _ = min(ev for ev in sim.events if ev[2] == 0 and ev[4] == eng.stamp)
+    assert cid == 1 and t == pytest.approx(alone + 2.0)
