@@ -42,10 +42,12 @@ class TrainQueue:
         # from the store by these indices and pack them the same way (pure function).
         tc = self.cfg.train
         rows, budget = tc.row_tokens, tc.micro_batch_tokens
-        if st.unfinished <= len(self.fleet.cells):
-            # The step's last groups (no more runs open than cells that could train them): every
-            # replica should end the step with a piece of them, so they are cut as fine as their
-            # trees allow (about a run a micro-batch; the rows repeat a little context).
+        groups = len({sp.group for sp in st.specs})
+        st.groups_committed += 1
+        if (groups - st.groups_committed + 1) * len(outs) <= len(self.fleet.cells):
+            # The step's last groups (their runs no more than the cells that could train them):
+            # every replica should end the step with a piece of them, so they are cut as fine as
+            # their trees allow (about a run a micro-batch; the rows repeat a little context).
             rows = budget = min(rows, finest_rows(trees, tc.group_forest))
         mbs = group_micro_batches(trees, st.step, st.next_mb, rows, budget, tc.shared_targets, tc.averaging,
                                   tc.group_forest)
