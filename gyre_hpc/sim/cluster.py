@@ -446,8 +446,9 @@ class FleetSim:
             status="timeout" if cut else "finished", reward=float("nan"), wall_s=self.now - self.run_start[run],
             calls=min(self.run_idx[run] * self.w.run.coarsen, b.calls[i]), migrations=self.run_migrations[run],
             policy_version=self.batch_version[step]))
-        self.group_tokens[g] += self.run_tokens[run]
-        self.finished_tokens += self.run_tokens[run]
+        trained = self.run_tokens[run] * self.w.run.trained_per_token   # what the trainer processes for it
+        self.group_tokens[g] += trained
+        self.finished_tokens += trained
         self.group_left[g] -= 1
         if self.group_left[g] == 0:
             # Advantages are normalised within the group, so its runs train once all are in.

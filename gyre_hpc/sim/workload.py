@@ -85,6 +85,11 @@ class RunShape:
     # before that is not the run's time); cut runs are trained as far as they got.
     timeout_s: float = 600.0
     coarsen: int = 1                             # merge this many consecutive calls into one simulated call
+    # Tokens the trainer processes per token a run adds to its tree: below 1 where a group
+    # forest trains the prompt its runs share once (train.group_forest), above 1 where
+    # packed rows repeat ancestors as context. Measured from a run's micro-batches
+    # (sim.measure); 1 = trees trained as they are.
+    trained_per_token: float = 1.0
     # Runs in progress at once (the harness pool). 0: one batch's worth. A new batch's runs
     # start as runs of the previous batch finish, when the staleness bound lets the batch
     # start at all (continuous async); on-policy batches never overlap.
@@ -97,6 +102,8 @@ class RunShape:
             raise WorkloadError(f"run.timeout_s={self.timeout_s}: must be > 0")
         if self.coarsen < 1:
             raise WorkloadError(f"run.coarsen={self.coarsen}: must be >= 1")
+        if self.trained_per_token <= 0:
+            raise WorkloadError(f"run.trained_per_token={self.trained_per_token}: must be > 0")
         if self.max_concurrent_runs < 0:
             raise WorkloadError(f"run.max_concurrent_runs={self.max_concurrent_runs}: must be >= 0 (0 = a batch)")
 
