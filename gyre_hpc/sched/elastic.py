@@ -204,8 +204,11 @@ class ElasticPolicy:
             more += 1
         if engines == 0:
             # No engine at all, none coming: not a question of capacity, the runs cannot
-            # proceed. This is the start of a batch after everything trained.
-            picked = candidates[:max(need, more, 1)]
+            # proceed. This is the start of a batch after everything trained: with nothing
+            # left to train, a cell kept in TRAIN idles until the batch's first group ends
+            # while the batch decodes on fewer engines (slower, the more so the longer its
+            # contexts, whose KV every step reads), so every cell serves it.
+            picked = candidates if not state.train_backlog_tokens else candidates[:max(need, more, 1)]
             why = (f"{demand} requests and runs waiting, no engine serving or arriving: "
                    f"{len(picked)} of {len(candidates)} replicas become engines "
                    f"({p.target_requests_per_engine} requests each"

@@ -27,7 +27,7 @@ from gyre_hpc.sim.result import SimResult
 from gyre_hpc.sim.workload import Workload
 
 # event kinds
-_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE, _DEADLINE, _PREFILLED = range(10)
+_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE, _DEADLINE, _PREFILLED, _ROUTE = range(11)
 _QUEUED, _AWAY = -2, -1   # where a run is when not on an engine: waiting for one, or in a tool call
 # busy-accounting categories of a cell
 ROLLOUT_BUSY, ROLLOUT_IDLE, TRAIN_BUSY, TRAIN_IDLE, SWITCH = range(5)
@@ -138,6 +138,7 @@ class FleetSim:
         self.launch_pending = False
         self.engines_version = 0
         self.decide_pending = False
+        self.route_pending = False
         self.cell_state_cache: dict[int, tuple] = {}
         self.last_step_end = 0.0
         self.done = False
@@ -721,9 +722,18 @@ class FleetSim:
         self.reschedule(cid)
         self.touch(c)
         self.trainer_update()
-        if c.role is Role.ROLLOUT:
-            self.drain_queue()
+        if c.role is Role.ROLLOUT and not self.route_pending:
+            # Route the queue once every switch ending at this instant has ended: engines that
+            # come up together share the waiting calls, least loaded first, as the runtime's
+            # router spreads a batch over the engines one flip opened; draining at the first
+            # of them gave it every call its slots held.
+            self.route_pending = True
+            self.push(self.now, _ROUTE)
         self.request_decision()
+
+    def on_route(self) -> None:
+        self.route_pending = False
+        self.drain_queue()
 
     def on_sample(self) -> None:
         if self.done:
@@ -764,7 +774,8 @@ class FleetSim:
         on_engine, on_tool, on_deadline, on_prefilled = self.on_engine, self.on_tool, self.on_deadline, self.on_prefilled
         rare = {_SWITCH: lambda a, b: self.on_switch(a), _DRAIN: lambda a, b: self.on_drain(a),
                 _OPT: lambda a, b: self.on_opt(), _DECIDE: lambda a, b: self.on_decide(a),
-                _LAUNCH: lambda a, b: self.on_launch(a), _SAMPLE: lambda a, b: self.on_sample()}
+                _LAUNCH: lambda a, b: self.on_launch(a), _SAMPLE: lambda a, b: self.on_sample(),
+                _ROUTE: lambda a, b: self.on_route()}
         n = 0
         while events and not self.done:
             t, _, kind, a, b = heapq.heappop(events)

@@ -102,6 +102,16 @@ def test_elastic_reclaims_at_once_when_no_engine_serves_or_arrives():
     assert "no engine serving or arriving" in got[0].reason
 
 
+def test_a_batch_starting_with_nothing_to_train_brings_every_replica_back():
+    # 2 runs fit one engine at the target, but nothing is left to train: every cell serves
+    # the batch (a replica kept would idle while the batch decodes on fewer engines). With a
+    # backlog, only as many as the runs need.
+    idle = ELASTIC(state("TTTTTT", unfinished_runs=2, queued_requests=2, train_backlog_tokens=0))
+    assert flips(idle) == {c: R for c in range(1, 6)}
+    busy = ELASTIC(state("TTTTTT", unfinished_runs=2, queued_requests=2, train_backlog_tokens=50_000))
+    assert flips(busy) == {5: R}
+
+
 def test_elastic_reclaims_only_after_demand_is_sustained_for_reclaim_after_s():
     # 6 requests of 3 runs (sub-agents call in parallel), 1 engine (target 4): one more engine
     # is needed, but only once the queue has outlasted the hysteresis interval; the runs
