@@ -71,7 +71,8 @@ class PaceConfig(_Section):
                     raise ValueError(f"{name}: unknown field {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
             def typed(model, fields: dict[str, float]):   # the YAML numbers arrive as floats
                 hints = typing.get_type_hints(type(model))
-                return dataclasses.replace(model, **{k: int(v) if hints[k] is int else v for k, v in fields.items()})
+                return dataclasses.replace(model, **{k: hints[k](v) if hints[k] in (int, bool) else v
+                                                     for k, v in fields.items()})
             return typed(engine, self.engine), typed(train, self.train)
         except DeviceError as exc:
             raise ValueError(str(exc)) from None

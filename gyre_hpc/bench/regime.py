@@ -14,7 +14,8 @@ lands on all alike:
 Beside the times: every step's reward (the paper compares at matching scores), the overrun
 share of the paced cells (above ``MAX_OVERRUN`` the emulation is not valid: the bench says
 so and exits non-zero), and the simulator's forecast of each variant on the same device
-model with the run shape measured from the elastic run.
+model with the run shape measured from the elastic run, on that run's own runs (their
+environment times replayed, ``sim.trace``: every variant ran the same seeded runs).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def sim_workload(regime: str, steps: int, measured_from: str | None = None):
     m = measure(measured_from)
     keep = {"run": m.overrides.get("run", {}), "fleet": {k: v for k, v in m.overrides.get("fleet", {}).items()
                                                          if k in ("rollout_to_train_s", "train_to_rollout_s")}}
-    keep["run"] = {k: v for k, v in keep["run"].items() if k in ("calls", "output_tokens", "context_tokens")}
+    keep["run"] = {k: v for k, v in keep["run"].items()
+                   if k in ("calls", "output_tokens", "context_tokens", "trained_per_token")}
     tool = environment_s(measured_from)
     if tool is not None:
         keep["run"]["tool_s"] = tool
@@ -102,9 +104,10 @@ def best_split(w) -> dict:
     return tuned_async(w)
 
 
-def simulate_scheduler(w, scheduler: dict):
+def simulate_scheduler(w, scheduler: dict, batches=None):
     """The simulator's run of ``w`` under a config's ``scheduler`` section (policy, async
-    split and staleness, elastic parameters): the same choices the fleet was given."""
+    split and staleness, elastic parameters): the same choices the fleet was given; on
+    ``batches`` when given (a real run's own runs, ``sim.trace``)."""
     from gyre_hpc.sim.cluster import policy_for, simulate
     from gyre_hpc.sim.workload import PolicyParams
 
@@ -115,14 +118,16 @@ def simulate_scheduler(w, scheduler: dict):
     elif policy == "elastic":
         params = dataclasses.replace(w.policy.elastic, **scheduler.get("elastic", {}))
         w = dataclasses.replace(w, policy=PolicyParams(elastic=params))
-    return w, simulate(w, policy_for(w, policy), policy)
+    return w, simulate(w, policy_for(w, policy), policy, batches)
 
 
-def forecast(w, names: list[Variant]) -> dict[str, float]:
-    """Mean steady step (bench.repeats.steady) the simulator predicts for each variant."""
+def forecast(w, names: list[Variant], batches=None) -> dict[str, float]:
+    """Mean steady step (bench.repeats.steady) the simulator predicts for each variant, on
+    ``batches`` when given (every variant ran the same seeded runs, so the elastic run's trace
+    is each one's workload)."""
     from gyre_hpc.bench.repeats import steady
 
-    return {v.name: round(statistics.fmean(steady(list(simulate_scheduler(w, v.scheduler)[1].step_s))), 3)
+    return {v.name: round(statistics.fmean(steady(list(simulate_scheduler(w, v.scheduler, batches)[1].step_s))), 3)
             for v in names}
 
 
@@ -136,8 +141,10 @@ def simulated_twin(run_dir: str | Path, out: str | Path, regime: str = "paper-lo
     cfg = load_config(Path(run_dir) / "config.yaml")
     if cfg.cells.device != "paced":
         raise click.ClickException(f"{run_dir}: cells.device={cfg.cells.device!r}, not a paced run")
+    from gyre_hpc.sim.trace import trace_batches
+
     w, _ = sim_workload(regime, cfg.train.steps, measured_from=str(run_dir))
-    w, result = simulate_scheduler(w, cfg.scheduler.model_dump())
+    w, result = simulate_scheduler(w, cfg.scheduler.model_dump(), trace_batches(w, run_dir))
     write_run(result, w, out)
     return Path(out)
 

@@ -47,6 +47,23 @@ class FlipRecord:
     reason: str = ""
 
 
+@dataclass
+class PendingFlip:
+    """A flip sent and not yet answered by every rank in it (``Controller.flip_begin``)."""
+
+    step: int
+    round: int
+    changes: list[RoleChange]
+    new_cells: tuple[Cell, ...]
+    targets: list[int]
+    start: float
+    replies: dict[int, protocol.FlipReport] = field(default_factory=dict)
+
+    @property
+    def answered(self) -> bool:
+        return all(r in self.replies for r in self.targets)
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """What a step driver returns for a step; a workload's own record adds its fields."""
@@ -120,6 +137,7 @@ class Controller:
     _last_control_check: float = field(default=0.0, init=False)
     _owed: dict[int, deque] = field(default_factory=dict, init=False)    # rank -> (command, sent at)
     _inbox: deque = field(default_factory=deque, init=False)             # (rank, reply) not yet taken
+    _pending_flip: PendingFlip | None = field(default=None, init=False)  # its replies go to it, not the inbox
 
     def __post_init__(self) -> None:
         self.result = FleetResult(exit_code=-1, first_step=self.start_step, last_completed=self.start_step - 1)
@@ -158,7 +176,10 @@ class Controller:
         if not queue:
             raise RuntimeError(f"cell rank {rank} sent {type(msg).__name__} but owed no reply")
         queue.popleft()
-        self._inbox.append((rank, msg))
+        if self._pending_flip is not None and isinstance(msg, protocol.FlipReport):
+            self._pending_flip.replies[rank] = msg
+        else:
+            self._inbox.append((rank, msg))
         return True
 
     def poll_replies(self) -> list[tuple[int, object]]:
@@ -241,12 +262,29 @@ class Controller:
 
     def flip(self, step: int, round_: int, changes: list[RoleChange],
              bystanders: frozenset[int] = frozenset()) -> list[FlipRecord]:
-        """Re-derived train_comm, weights from the core cell to the joiners.
+        """Re-derived train_comm, weights from the core cell to the joiners; returns when every
+        rank in it has answered (``flip_begin`` + ``flip_end`` for a caller that keeps working
+        meanwhile)."""
+        pending = self.flip_begin(step, round_, changes, bystanders)
+        pause = 0.0002
+        while not self.flip_ready(pending):
+            self.exit_requested(now=False)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        return self.flip_end(pending)
+
+    def flip_begin(self, step: int, round_: int, changes: list[RoleChange],
+                   bystanders: frozenset[int] = frozenset()) -> PendingFlip:
+        """Send the flip and return at once: the ranks answer once they reach it (a replica
+        after the micro-batch in hand), and the caller keeps the rest of the fleet working.
 
         Every rank of a TRAIN cell (before or after) and of a flipping cell takes part;
         ``bystanders`` (ranks of ROLLOUT cells that stay ROLLOUT) may be left out: the
-        communicators are built by their members only, so those engines keep decoding.
+        communicators are built by their members only, so those engines keep decoding. One
+        flip at a time; the roles change at ``flip_end``.
         """
+        if self._pending_flip is not None:
+            raise RuntimeError(f"flip of step {step}: the flip of step {self._pending_flip.step} is still in flight")
         new = with_roles(self.cells, {ch.cell: Role(ch.to) for ch in changes})  # refuses forbidden flips
         flipping = {ch.cell for ch in changes}
         needed = {r for c in self.cells + new if c.role is Role.TRAIN or c.id in flipping for r in c.ranks}
@@ -260,23 +298,39 @@ class Controller:
         cmd = protocol.Flip(step=step, changes=tuple((ch.cell, Role(ch.to).value) for ch in changes),
                             checksums=self.verify_weights,
                             before=tuple((c.id, c.role.value) for c in self.cells))
+        self._pending_flip = PendingFlip(step, round_, list(changes), new, targets, start)
         self.broadcast(cmd, targets)
-        replies = self.collect(targets)
+        return self._pending_flip
+
+    def flip_ready(self, pending: PendingFlip) -> bool:
+        """Whether every rank in ``pending`` has answered (takes what has arrived; raises when
+        an owed reply is overdue)."""
+        while self._receive():
+            pass
+        self._check_deadlines()
+        return pending.answered
+
+    def flip_end(self, pending: PendingFlip) -> list[FlipRecord]:
+        """The answered flip: the new roles, the train_comm checked, the records logged."""
+        if not pending.answered or pending is not self._pending_flip:
+            raise RuntimeError(f"flip_end of step {pending.step}: not every rank has answered")
+        self._pending_flip = None
+        replies = pending.replies
         end = time.time()
-        self.cells = new
+        self.cells = pending.new_cells
         self._check_train_comm(replies)
-        source = core_cell(new).leader
+        source = core_cell(self.cells).leader
         records = []
-        for ch in changes:
+        for ch in pending.changes:
             cell = self.cell(ch.cell)
             reps = [replies[r] for r in cell.ranks]
             records.append(FlipRecord(
-                cell=cell.id, to=cell.role.value, step=step, round=round_, start=start, end=end,
-                duration_s=max(r.seconds for r in reps), bytes=sum(r.bytes_in for r in reps),
+                cell=cell.id, to=cell.role.value, step=pending.step, round=pending.round, start=pending.start,
+                end=end, duration_s=max(r.seconds for r in reps), bytes=sum(r.bytes_in for r in reps),
                 comm_s=max(r.comm_s for r in reps), transfer_s=max(r.transfer_s for r in reps),
                 checksum=replies[cell.leader].checksum, source_checksum=replies[source].checksum,
                 reason=ch.reason))
-        self.metrics.append([TimelineRow(time=end, cell=r.cell, role=r.to, event="flip_end", step=step,
+        self.metrics.append([TimelineRow(time=end, cell=r.cell, role=r.to, event="flip_end", step=pending.step,
                                          duration_s=r.duration_s, bytes=r.bytes,
                                          detail=f"round {r.round}") for r in records])
         self.result.flips.extend(records)

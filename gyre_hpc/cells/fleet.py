@@ -87,9 +87,17 @@ class FleetOptions:
 
 
 def resolve_policy(cfg: RunConfig) -> Policy:
+    """The policy ``cfg.scheduler`` names. Paced cells stand for a device model, so elastic is
+    sized from it exactly as the simulator sizes it (``sched.elastic.device_sized``), with the
+    ``scheduler.elastic`` fields the config sets over it: the simulator forecasts this policy."""
+    from gyre_hpc.sched.elastic import ElasticPolicy, device_sized
     from gyre_hpc.sched.registry import policy_from_config
     try:
-        return policy_from_config(cfg.scheduler)
+        policy = policy_from_config(cfg.scheduler)
+        if cfg.scheduler.policy == "elastic" and cfg.cells.device == "paced":
+            engine, train = cfg.cells.pace.devices()
+            return ElasticPolicy(device_sized(engine, train, cfg.scheduler.elastic))
+        return policy
     except ValueError as exc:
         raise ConfigError(f"scheduler.policy={cfg.scheduler.policy!r}: {exc}") from None
 

@@ -38,6 +38,10 @@ class EngineModel:
     # much (attention over the context before it; 0 = no dependence).
     prefill_tokens_per_s: float = 5000.0
     prefill_ctx_tokens: float = 0.0
+    # Whether a step's prefills hold up its decode (the step takes the decode plus its
+    # prefills, as TorchEngine and chunked prefill run them) or run beside it (a prefill
+    # server of their own, False).
+    prefill_in_step: bool = False
     tolerated_slowdown: float = 0.1      # sizes the elastic target: per-sequence speed may drop this much
     # Memory, as vLLM sizes it, per GPU: gpus x (gpu_memory_gb x memory_utilization) less the
     # weights (spread over the GPUs) holds KV at kv_bytes_per_token. 0 in gpus, memory or
@@ -117,6 +121,14 @@ class EngineModel:
         mid = cached_tokens + new_tokens / 2.0
         scale = 1.0 + mid / self.prefill_ctx_tokens if self.prefill_ctx_tokens else 1.0
         return new_tokens * scale / self.prefill_tokens_per_s
+
+    def batch_step_s(self, decoding: int, kv_tokens: float, prefills: list[tuple[float, float]]) -> float:
+        """The duration of one engine step: one token for each of ``decoding`` sequences
+        holding ``kv_tokens`` KV tokens, and the prefills ``(new, cached)`` it took in, after
+        the decode (``prefill_in_step``) or beside it."""
+        decode = self.step_s(decoding, kv_tokens) if decoding else 0.0
+        prefill = sum(self.prefill_s(new, cached) for new, cached in prefills)
+        return decode + prefill if self.prefill_in_step else max(decode, prefill)
 
     def target_seqs(self) -> int:
         """Largest batch whose per-sequence speed (short context) is within

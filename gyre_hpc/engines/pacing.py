@@ -73,9 +73,9 @@ class EnginePace:
 
     def step_s(self, decoding: int, kv_tokens: int, prefills: list[tuple[int, int]]) -> float:
         """The device's duration of one engine step: a decode step of ``decoding`` sequences
-        holding ``kv_tokens`` KV tokens, and each prefill ``(new, cached)`` it did."""
-        decode = self.model.decode_s(1, decoding, kv_tokens) if decoding else 0.0
-        return decode + sum(self.model.prefill_s(new, cached) for new, cached in prefills)
+        holding ``kv_tokens`` KV tokens, and each prefill ``(new, cached)`` it did
+        (``EngineModel.batch_step_s``)."""
+        return self.model.batch_step_s(decoding, kv_tokens, prefills)
 
 
 @dataclass

@@ -11,8 +11,10 @@ the task prompt the runs share is computed once, and the loss is the same.
 
 Dealing: every replica should finish the step's work at the same moment. The controller
 keeps each replica's measured training tokens/s and hands the next micro-batch to the replica
-that would finish it earliest given what it already holds (list scheduling on expected
-finish time); a replica never measured is assumed as fast as the fastest one measured.
+that would finish it earliest given when what it holds is predicted done (list scheduling on
+predicted finish time); a replica never measured is assumed as fast as the fastest one
+measured. Micro-batches are indivisible, so the step's last ones are cut finer
+(``finest_rows``: about a run each) to even out the finish.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from gyre_hpc.rl.trainer import MicroBatch
 from gyre_hpc.trees.admission import admit
-from gyre_hpc.trees.builder import group_forest
+from gyre_hpc.trees.builder import group_forest, node_depth
 from gyre_hpc.trees.loss import group_advantages, run_targets
 from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.packing import pack
@@ -77,13 +79,23 @@ class ReplicaSpeeds:
         return max(self.rates.values(), default=1.0)
 
 
-def pick_replica(replicas: Iterable[int], held_tokens: Mapping[int, int], speeds: ReplicaSpeeds,
+def pick_replica(replicas: Iterable[int], free_at: Mapping[int, float], speeds: ReplicaSpeeds,
                  tokens: int) -> int:
-    """The replica that would finish ``tokens`` more work earliest (ties: lowest rank)."""
+    """The replica that would finish ``tokens`` more work earliest: free at ``free_at`` (when
+    what it holds is predicted done; absent: now, 0) plus the work at its measured speed (ties:
+    lowest rank). List scheduling on predicted finish time."""
     replicas = list(replicas)
     if not replicas:
         raise RuntimeError("no TRAIN replica to hand a micro-batch to")
-    return min(replicas, key=lambda r: ((held_tokens.get(r, 0) + tokens) / speeds.rate(r), r))
+    return min(replicas, key=lambda r: (free_at.get(r, 0.0) + tokens / speeds.rate(r), r))
+
+
+def finest_rows(trees: Sequence[Tree], forest: bool = True) -> int:
+    """The smallest row budget that packs ``trees`` (as one group forest or tree by tree)
+    without a deep row: each unit's deepest path. Rows of this budget cut a group into its
+    finest micro-batches (about a run each) while every node keeps its ancestors' context."""
+    units = [group_forest(trees)] if forest else list(trees)
+    return max((int((node_depth(u) + u.node_len).max()) for u in units if u.n_nodes), default=2)
 
 
 @dataclass(frozen=True)
@@ -98,12 +110,16 @@ class MicroBatchRef:
     first_id: int              # mb_id of the group's first micro-batch
     tokens: int                # packed tokens (for dealing by speed)
     loss_tokens: int
+    # The cut the controller made (``group_micro_batches``'s budgets); 0: the run's config.
+    row_tokens: int = 0
+    micro_batch_tokens: int = 0
 
 
-def group_refs(indices: Sequence[int], mbs: Sequence[MicroBatch]) -> list[MicroBatchRef]:
+def group_refs(indices: Sequence[int], mbs: Sequence[MicroBatch], row_tokens: int = 0,
+               micro_batch_tokens: int = 0) -> list[MicroBatchRef]:
     first = mbs[0].mb_id if mbs else 0
-    return [MicroBatchRef(mb.step, mb.mb_id, tuple(int(i) for i in indices), first, mb.tokens, mb.loss_tokens)
-            for mb in mbs]
+    return [MicroBatchRef(mb.step, mb.mb_id, tuple(int(i) for i in indices), first, mb.tokens, mb.loss_tokens,
+                          row_tokens, micro_batch_tokens) for mb in mbs]
 
 
 class StoreMicroBatches:
@@ -143,8 +159,9 @@ class StoreMicroBatches:
                 raise RuntimeError(f"micro-batch {ref.mb_id} of step {ref.step}: tree {max(ref.trees)} is past the "
                                    f"commit marker of {self.store_path} ({len(store)} trees committed)")
             trees = [store.read(i) for i in ref.trees]
-            mbs = group_micro_batches(trees, ref.step, ref.first_id, self.row_tokens, self.micro_batch_tokens,
-                                      self.shared_targets, self.averaging, self.forest)
+            mbs = group_micro_batches(trees, ref.step, ref.first_id, ref.row_tokens or self.row_tokens,
+                                      ref.micro_batch_tokens or self.micro_batch_tokens, self.shared_targets,
+                                      self.averaging, self.forest)
             self._groups[key] = {mb.mb_id: mb for mb in mbs}
         group = self._groups[key]
         mb = group.pop(ref.mb_id)

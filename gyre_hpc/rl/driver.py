@@ -11,7 +11,9 @@ within the reply timeout, naming the rank and the command it owed. A step:
 3. as an advantage group finishes, commit its trees to ``trees.zarr`` and deal its
    micro-batches to the TRAIN replicas (``train_queue``) while other runs still roll out;
 4. every ``scheduler.interval_s`` (and when new calls arrive) the policy sees the live view
-   (``cluster_view``) and may flip cells (``flips``: KV moves with released engines);
+   (``cluster_view``) and may flip cells (``flips``: KV moves with released engines); the
+   flip completes while the loop goes on, since replicas answer it after their micro-batch
+   in hand;
 5. async schedules start the next step's runs once this one's have all started, within
    ``scheduler.max_staleness``;
 6. once every run is done and every micro-batch trained: allreduce, optimizer step
@@ -74,7 +76,7 @@ class RLStepDriver:
         t0 = time.perf_counter()
         st, tasks = self._take_or_start(step)
         next_consult = 0.0
-        while not st.trained:
+        while not st.trained or self.flips.pending:
             if st.groups_changed:
                 st.groups_changed = False
                 next_consult = 0.0     # a group became trainable: the backlog changed
@@ -92,10 +94,14 @@ class RLStepDriver:
             if self.engines.router.engines:
                 events += self.calls.dispatch()
             now = time.monotonic()
-            if now >= next_consult or arrived:
+            if self.flips.pending:
+                # A flip in flight waits on the replicas' micro-batches in hand; the runs go on.
+                events += len(self.flips.finish(st))
+            elif now >= next_consult or arrived:
                 self.flips.consult(st)
                 next_consult = now + self.cfg.scheduler.interval_s
-            self.train.deal(st)
+            if not self.flips.pending:
+                self.train.deal(st)
             if self.fleet.exit_requested():
                 await self._abandon(st, tasks)
                 return None
@@ -126,7 +132,11 @@ class RLStepDriver:
                 and may_launch_batch(st.step, self.fleet.policy_version, gate, all_started))
 
     async def _abandon(self, st: StepState, tasks: list[asyncio.Task]) -> None:
-        """An exit request: cancel the runs (their journals resume them), let replicas report."""
+        """An exit request: cancel the runs (their journals resume them), end a flip in flight,
+        let replicas report."""
+        while self.flips.pending:
+            self.flips.finish(st)
+            await asyncio.sleep(0.002)
         ahead = self._next[1] if self._next else []
         self._next = None
         for t in tasks + ahead:

@@ -7,12 +7,17 @@ throughout: they take no part in the flip), its serve loop pauses, and it joins 
 step's train_comm; the replicas finish the micro-batch in hand first (the Flip queues behind
 it) and then take micro-batches alongside it. A reclaimed replica (TRAIN -> ROLLOUT) hands in
 what it holds first: its gradients leave with it and the others redo them.
+
+The flip is sent and then left to complete (``start``, then ``finish`` once every rank in it
+has answered): waiting for a replica's micro-batch in hand (seconds when paced) must not stop
+the controller from serving the runs, so the step's loop keeps routing calls, streaming tokens
+and running tools meanwhile. No other flip is decided and no micro-batch dealt until it ends.
 """
 from __future__ import annotations
 
 import time
 
-from gyre_hpc.cells.controller import Controller, FlipRecord
+from gyre_hpc.cells.controller import Controller, FlipRecord, PendingFlip
 from gyre_hpc.rl.cluster_view import ClusterView
 from gyre_hpc.rl.engine_pool import EnginePool
 from gyre_hpc.rl.step_state import StepState
@@ -24,13 +29,16 @@ from gyre_hpc.sched.state import Role, RoleChange
 class Flips:
     def __init__(self, fleet: Controller, pool: EnginePool, queue: TrainQueue, view: ClusterView):
         self.fleet, self.pool, self.queue, self.view = fleet, pool, queue, view
+        self.pending: tuple[PendingFlip, dict[int, Role], float] | None = None   # (flip, roles before, t0)
 
-    def consult(self, st: StepState) -> list[FlipRecord]:
+    def consult(self, st: StepState) -> None:
+        if self.pending is not None:
+            return          # one flip at a time: the policy sees the fleet once this one has ended
         if self.view.plans_from_rates and st.backlog_tokens() and not any(r > 0 for r in self.queue.speeds.rates.values()):
             # Trainable work waits but no replica has reported a micro-batch yet: a policy that
             # plans from training rates (elastic) would rest on a made-up one. The first report
             # comes within one micro-batch; from then on every cell plans with the measured rate.
-            return []
+            return
         changes = self.fleet.decide(self.view.state(st))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.fleet.cells
@@ -38,23 +46,33 @@ class Flips:
         if leaving and not engines_after and (st.unfinished or self.pool.router.unfinished()):
             # The last engine stays while any run may still call the model.
             changes = [ch for ch in changes if Role(ch.to) is not Role.TRAIN]
-        return self.apply(st, changes) if changes else []
+        if changes:
+            self.start(st, changes)
 
-    def apply(self, st: StepState, changes: list[RoleChange]) -> list[FlipRecord]:
-        """Flip ``changes`` while everything else keeps working (the module's docstring)."""
+    def start(self, st: StepState, changes: list[RoleChange]) -> None:
+        """Drain and pause the released engines, send the flip; the rest of the fleet works on
+        (the module's docstring)."""
         t0 = time.perf_counter()
         for ch in changes:
             print(f"[rl] step {st.step}: cell {ch.cell} -> {Role(ch.to).value}: {ch.reason}", flush=True)
         releasing = [ch.cell for ch in changes if Role(ch.to) is Role.TRAIN]
-        if any(Role(ch.to) is Role.ROLLOUT for ch in changes):
-            self.queue.poll(st, block=True)
         for cid in releasing:
             if cid in self.pool.router.engines:
                 self._drain(st, cid)
         self.pool.pause([cid for cid in releasing if cid in self.pool.serving])
         before = {c.id: c.role for c in self.fleet.cells}
         bystanders = frozenset(r for cid in self.pool.serving for r in self.fleet.cell(cid).ranks)
-        records = self.fleet.flip(st.step, len(st.flips), changes, bystanders=bystanders)
+        self.pending = (self.fleet.flip_begin(st.step, len(st.flips), changes, bystanders=bystanders), before, t0)
+
+    def finish(self, st: StepState) -> list[FlipRecord]:
+        """End the flip in flight if every rank has answered: a leaver's share back to the
+        queue (its reports, which came before its answer, taken first), engines opened."""
+        if self.pending is None or not self.fleet.flip_ready(self.pending[0]):
+            return []
+        pending, before, t0 = self.pending
+        self.pending = None
+        records = self.fleet.flip_end(pending)
+        self.queue.poll(st)
         self.queue.hand_back(st, [c for c in self.fleet.cells
                                   if before[c.id] is Role.TRAIN and c.role is not Role.TRAIN])
         self.pool.resume()

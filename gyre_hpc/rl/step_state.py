@@ -41,6 +41,7 @@ class StepState:
     store_end: int = 0          # one past the highest store index of this step's trees
     next_mb: int = 0
     groups_done: set[int] = field(default_factory=set)
+    groups_committed: int = 0   # groups handed to training (a step rolled out ahead holds its first ones)
     groups_changed: bool = False
     start_version: int = 0      # the trainer's newest version when the step's rollouts began
     flips: list[FlipRecord] = field(default_factory=list)

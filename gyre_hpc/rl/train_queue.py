@@ -14,7 +14,8 @@ import time
 from gyre_hpc.cells.controller import Controller
 from gyre_hpc.cells.plan import Cell, cell_of_rank, train_ranks
 from gyre_hpc.rl import messages
-from gyre_hpc.rl.batches import ReplicaSpeeds, admit_group, group_micro_batches, group_refs, pick_replica
+from gyre_hpc.rl.batches import (ReplicaSpeeds, admit_group, finest_rows, group_micro_batches, group_refs,
+                                 pick_replica)
 from gyre_hpc.rl.step_state import RunOutcome, StepState
 from gyre_hpc.trees.store import TreeStore
 
@@ -25,6 +26,7 @@ class TrainQueue:
         self.speeds = ReplicaSpeeds()
         self.trained_in_window: dict[int, int] = {}   # rank -> tokens trained since the last engines row
         self._run_tokens = (0, 0)                     # (training tokens, runs) of the groups committed so far
+        self._busy_until: dict[int, float] = {}       # rank -> when what it holds is predicted done (monotonic)
 
     def commit_group(self, st: StepState, outs: list[RunOutcome]) -> None:
         """Admit, append to the store (one commit), cut into micro-batches for the replicas."""
@@ -39,11 +41,19 @@ class TrainQueue:
         # Packed here only for the token counts that dealing needs; replicas read the trees
         # from the store by these indices and pack them the same way (pure function).
         tc = self.cfg.train
-        mbs = group_micro_batches(trees, st.step, st.next_mb, tc.row_tokens, tc.micro_batch_tokens,
-                                  tc.shared_targets, tc.averaging, tc.group_forest)
+        rows, budget = tc.row_tokens, tc.micro_batch_tokens
+        groups = len({sp.group for sp in st.specs})
+        st.groups_committed += 1
+        if (groups - st.groups_committed + 1) * len(outs) <= len(self.fleet.cells):
+            # The step's last groups (their runs no more than the cells that could train them):
+            # every replica should end the step with a piece of them, so they are cut as fine as
+            # their trees allow (about a run a micro-batch; the rows repeat a little context).
+            rows = budget = min(rows, finest_rows(trees, tc.group_forest))
+        mbs = group_micro_batches(trees, st.step, st.next_mb, rows, budget, tc.shared_targets, tc.averaging,
+                                  tc.group_forest)
         st.next_mb += len(mbs)
         st.store_end = max([st.store_end, *(i + 1 for i in indices)])
-        st.pending.extend(group_refs(indices, mbs))
+        st.pending.extend(group_refs(indices, mbs, rows, budget))
         st.groups_changed = True
         tokens, runs = self._run_tokens
         self._run_tokens = (tokens + sum(mb.tokens for mb in mbs), runs + len(outs))
@@ -54,14 +64,27 @@ class TrainQueue:
         return int(unfinished_runs * tokens / runs) if runs else 0
 
     def deal(self, st: StepState) -> None:
+        """Each pending micro-batch to the replica predicted to finish it first (what it holds,
+        then this, at its measured speed), at most ``train.micro_batches_in_hand`` each. Once
+        every run of the step is done no more work will come: a micro-batch then waits for the
+        replica that finishes it first rather than go to a slower or busier one that is free."""
         replicas = train_ranks(self.fleet.cells)
-        while st.pending:
-            free = [r for r in replicas if len(st.outstanding.get(r, [])) < self.cfg.train.micro_batches_in_hand]
-            if not free:
+        in_hand = self.cfg.train.micro_batches_in_hand
+        now = time.monotonic()
+        free_at = {r: max(self._busy_until.get(r, now) - now, 0.0) for r in replicas}   # seconds from now
+        while st.pending and replicas:
+            room = [r for r in replicas if len(st.outstanding.get(r, [])) < in_hand]
+            if not room:
                 return
-            held = {r: sum(mb.tokens for mb in st.outstanding.get(r, [])) for r in free}
-            mb = st.pending.pop(0)
-            rank = pick_replica(free, held, self.speeds, mb.tokens)
+            mb = st.pending[0]
+            rank = pick_replica(replicas, free_at, self.speeds, mb.tokens)
+            if rank not in room:
+                if st.runs_done:
+                    return
+                rank = pick_replica(room, free_at, self.speeds, mb.tokens)
+            st.pending.pop(0)
+            free_at[rank] += mb.tokens / self.speeds.rate(rank)
+            self._busy_until[rank] = now + free_at[rank]
             st.outstanding.setdefault(rank, []).append(mb)
             self.fleet.send(rank, messages.Train(mb))    # a MicroBatchRef: indices, not trees
 
@@ -79,6 +102,8 @@ class TrainQueue:
                 st.losses[mb.mb_id] = rep.loss
                 st.gaps[mb.mb_id] = rep.gap
                 self.speeds.record(rep.rank, rep.tokens, rep.seconds)
+                # What it still holds started now (it queued behind the one just reported).
+                self._busy_until[rep.rank] = time.monotonic() + sum(m.tokens for m in held) / self.speeds.rate(rep.rank)
                 self.trained_in_window[rep.rank] = self.trained_in_window.get(rep.rank, 0) + rep.tokens
                 if rep.pace is not None:
                     st.replica_pace[rep.rank] = rep.pace

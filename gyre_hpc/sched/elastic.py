@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from gyre_hpc.sched.capacity import (
     arriving_engines, flippable, rollout_demand, serving_engines, train_rate, trainers_rate,
@@ -31,8 +32,9 @@ from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
 class ElasticParams:
     # Requests one engine holds while each sequence still decodes near its single-sequence
     # speed (the target occupancy). Past it, batching makes every sequence slower, and the
-    # tail runs are exactly the ones that would pay. The simulator derives it from its
-    # throughput curve; a real fleet sets it from the engine benchmark.
+    # tail runs are exactly the ones that would pay. Sized from the device model
+    # (``device_sized``: the simulator and paced cells alike); a native fleet sets it from
+    # the engine benchmark.
     target_requests_per_engine: int = 16
     # KV-cache tokens one engine holds, for cells that report none themselves
     # (``CellState.kv_capacity_tokens == 0``). 0: no KV check for such cells.
@@ -84,6 +86,20 @@ class ElasticParams:
             raise ValueError(f"elastic max_staleness={self.max_staleness}: must be >= 0")
         if self.train_floor_cells < 0:
             raise ValueError(f"elastic train_floor_cells={self.train_floor_cells}: must be >= 0 (0 = no floor)")
+
+
+def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> ElasticParams:
+    """Elastic's parameters sized from a device model (``gyre_hpc.devices``: ``engine`` an
+    ``EngineModel``, ``train`` a ``TrainModel``), with the explicitly ``given`` fields over them.
+
+    The simulator and a fleet of paced cells both call this, so the policy the simulator
+    forecasts is the one the fleet runs: the target occupancy is the batch at which a sequence
+    decodes within the engine's tolerated slowdown of its speed alone, the KV figure the
+    engine's capacity, the training-rate prior one replica's modelled rate.
+    """
+    sizing = {"target_requests_per_engine": engine.target_seqs(), "kv_tokens_per_engine": engine.kv_capacity_tokens(),
+              "default_train_tokens_per_s": train.tokens_per_s}
+    return ElasticParams(**{**sizing, **dict(given or {})})
 
 
 def kv_capacity(cell: CellState, fallback: int) -> int:
@@ -188,8 +204,11 @@ class ElasticPolicy:
             more += 1
         if engines == 0:
             # No engine at all, none coming: not a question of capacity, the runs cannot
-            # proceed. This is the start of a batch after everything trained.
-            picked = candidates[:max(need, more, 1)]
+            # proceed. This is the start of a batch after everything trained: with nothing
+            # left to train, a cell kept in TRAIN idles until the batch's first group ends
+            # while the batch decodes on fewer engines (slower, the more so the longer its
+            # contexts, whose KV every step reads), so every cell serves it.
+            picked = candidates if not state.train_backlog_tokens else candidates[:max(need, more, 1)]
             why = (f"{demand} requests and runs waiting, no engine serving or arriving: "
                    f"{len(picked)} of {len(candidates)} replicas become engines "
                    f"({p.target_requests_per_engine} requests each"

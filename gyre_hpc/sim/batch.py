@@ -38,7 +38,7 @@ class Batch:
 def sample_batch(w: Workload, step: int) -> Batch:
     """The batch of step ``step`` (cached: the policies of one comparison share it; treat it
     as read-only)."""
-    r, e = w.run, w.engine
+    r = w.run
     rng = np.random.default_rng([w.seed, step])
     n_runs = r.runs_per_step
     calls = np.maximum(1, np.rint(r.calls.sample(rng, n_runs))).astype(np.int64)
@@ -46,6 +46,15 @@ def sample_batch(w: Workload, step: int) -> Batch:
     out = r.output_tokens.sample(rng, total)
     ctx_new = r.context_tokens.sample(rng, total)
     tool = r.tool_s.sample(rng, total)
+    return build_batch(w, step, calls, out, ctx_new, tool, (np.arange(n_runs) // r.runs_per_task).tolist())
+
+
+def build_batch(w: Workload, step: int, calls: np.ndarray, out: np.ndarray, ctx_new: np.ndarray, tool: np.ndarray,
+                group: list[int]) -> Batch:
+    """A batch from its runs' calls (per run) and per call: output tokens, new context tokens,
+    environment time after it (sampled by ``sample_batch``; a real run's own by ``sim.trace``)."""
+    r, e = w.run, w.engine
+    total = int(calls.sum())
     tokens = out + ctx_new
     first_call = np.concatenate([[0], np.cumsum(calls)[:-1]])
     run_offset = np.repeat(np.concatenate([[0.0], np.cumsum(tokens)])[first_call], calls)
@@ -83,4 +92,4 @@ def sample_batch(w: Workload, step: int) -> Batch:
     critical = np.add.reduceat(serial, first_block).tolist()
     return Batch(step=step, work=per_run(out_b), prefill_s=per_run(pre_b), tool_s=per_run(tool_b),
                  tokens=per_run(summed(tokens)), ctx=per_run(ctx_b),
-                 group=(np.arange(n_runs) // r.runs_per_task).tolist(), calls=calls.tolist(), critical_s=critical)
+                 group=list(group), calls=calls.tolist(), critical_s=critical)

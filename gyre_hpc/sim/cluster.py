@@ -16,6 +16,7 @@ import heapq
 import math
 import time as wallclock
 from collections import deque
+from typing import Mapping
 
 from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
 from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
@@ -26,7 +27,7 @@ from gyre_hpc.sim.result import SimResult
 from gyre_hpc.sim.workload import Workload
 
 # event kinds
-_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE, _DEADLINE, _PREFILLED = range(10)
+_ENGINE, _TOOL, _SWITCH, _DRAIN, _OPT, _DECIDE, _LAUNCH, _SAMPLE, _DEADLINE, _PREFILLED, _ROUTE = range(11)
 _QUEUED, _AWAY = -2, -1   # where a run is when not on an engine: waiting for one, or in a tool call
 # busy-accounting categories of a cell
 ROLLOUT_BUSY, ROLLOUT_IDLE, TRAIN_BUSY, TRAIN_IDLE, SWITCH = range(5)
@@ -39,7 +40,7 @@ class SimError(RuntimeError):
 
 class _Engine:
     __slots__ = ("clock", "t", "heap", "stamp", "load_stamp", "ctx", "parked", "parked_ctx", "seq_s", "kv_s",
-                 "pf", "pf_ctx", "pf_until")
+                 "pf", "pf_ctx", "pf_until", "pf_from")
 
     def __init__(self) -> None:
         self.clock = 0.0      # tokens each resident sequence has been served
@@ -59,6 +60,7 @@ class _Engine:
         self.pf: dict[int, tuple[int, float]] = {}
         self.pf_ctx = 0.0
         self.pf_until = 0.0   # when the prefill server is free
+        self.pf_from = 0.0    # since when it has been busy without a break (decode waits then, in-step prefill)
 
     @property
     def resident(self) -> int:
@@ -74,8 +76,10 @@ class _Cell:
 
 
 class FleetSim:
-    def __init__(self, w: Workload, policy: Policy, policy_name: str):
+    def __init__(self, w: Workload, policy: Policy, policy_name: str, batches: Mapping[int, Batch] | None = None):
         self.w, self.policy, self.name = w, policy, policy_name
+        # Given batches (a real run's own runs, ``sim.trace``) replace sampled ones step by step.
+        self.given = dict(batches or {})
         self.staleness = staleness_bound(policy)
         f, e = w.fleet, w.engine
         n_ro, core = f.rollout_only, w.core_cells
@@ -110,7 +114,9 @@ class FleetSim:
         # after dispatch, for want of a slot or KV memory, or more requests and runs than
         # the target occupancy), as seen by the decision epochs; None while it does not.
         self.over_since: float | None = None
-        self.target = e.target_seqs()
+        # What an engine holds before demand counts as over capacity: the policy's own bulk
+        # target when it has one (elastic), else the engine's slots (the runtime's DemandClock).
+        self.target = int(getattr(getattr(policy, "params", None), "target_requests_per_engine", 0) or e.max_seqs)
         self.batches: dict[int, Batch] = {}
         self.run_base: dict[int, int] = {}
         self.batch_version: dict[int, int] = {}
@@ -132,6 +138,7 @@ class FleetSim:
         self.launch_pending = False
         self.engines_version = 0
         self.decide_pending = False
+        self.route_pending = False
         self.cell_state_cache: dict[int, tuple] = {}
         self.last_step_end = 0.0
         self.done = False
@@ -178,10 +185,18 @@ class FleetSim:
         """What the engine's decoding sequences produce together (prefilling ones move none)."""
         return len(e.heap) * self.rate(e) if e.heap else 0.0
 
+    def decoding_s(self, e: _Engine, until: float) -> float:
+        """Seconds of [e.t, until] the engine decodes: all of it, less the prefills when they
+        run inside its steps (``EngineModel.prefill_in_step``: the decode waits for them)."""
+        dt = until - e.t
+        if self.dev.prefill_in_step:
+            dt -= max(0.0, min(until, e.pf_until) - max(e.t, e.pf_from))
+        return dt
+
     def advance(self, e: _Engine) -> None:
         dt = self.now - e.t
         if e.heap:
-            e.clock += self.rate(e) * dt
+            e.clock += self.rate(e) * self.decoding_s(e, self.now)
         if e.heap or e.pf:
             e.seq_s += e.resident * dt
             e.kv_s += (e.ctx + e.pf_ctx + e.parked_ctx) * dt
@@ -192,6 +207,8 @@ class FleetSim:
         e.stamp += 1
         if e.heap:
             dt = max(e.heap[0][0] - e.clock, 0.0) / self.rate(e)
+            if self.dev.prefill_in_step:
+                dt += max(0.0, e.pf_until - max(self.now, e.pf_from))   # the decode waits for the prefills
             self.push(self.now + dt, _ENGINE, cid, e.stamp)
         e.load_stamp += 1
         if self.serving(self.cells[cid]):
@@ -261,6 +278,8 @@ class FleetSim:
             # The engine's prefill server: one prompt at a time at compute speed; the call
             # holds its slot and KV meanwhile and decodes once its prompt is in.
             start = max(self.now, e.pf_until)
+            if start == self.now:
+                e.pf_from = self.now       # a new busy spell of the prefill server
             e.pf_until = start + prefill
             e.pf[run] = (self.run_placed[run], work)
             e.pf_ctx += need
@@ -428,8 +447,9 @@ class FleetSim:
             status="timeout" if cut else "finished", reward=float("nan"), wall_s=self.now - self.run_start[run],
             calls=min(self.run_idx[run] * self.w.run.coarsen, b.calls[i]), migrations=self.run_migrations[run],
             policy_version=self.batch_version[step]))
-        self.group_tokens[g] += self.run_tokens[run]
-        self.finished_tokens += self.run_tokens[run]
+        trained = self.run_tokens[run] * self.w.run.trained_per_token   # what the trainer processes for it
+        self.group_tokens[g] += trained
+        self.finished_tokens += trained
         self.group_left[g] -= 1
         if self.group_left[g] == 0:
             # Advantages are normalised within the group, so its runs train once all are in.
@@ -473,7 +493,7 @@ class FleetSim:
     def on_launch(self, step: int) -> None:
         self.launch_pending = False
         self.engines_version = self.version
-        b = sample_batch(self.w, step)
+        b = self.given[step] if step in self.given else sample_batch(self.w, step)
         self.batches[step] = b
         base = len(self.run_batch)
         self.run_base[step] = base
@@ -702,9 +722,18 @@ class FleetSim:
         self.reschedule(cid)
         self.touch(c)
         self.trainer_update()
-        if c.role is Role.ROLLOUT:
-            self.drain_queue()
+        if c.role is Role.ROLLOUT and not self.route_pending:
+            # Route the queue once every switch ending at this instant has ended: engines that
+            # come up together share the waiting calls, least loaded first, as the runtime's
+            # router spreads a batch over the engines one flip opened; draining at the first
+            # of them gave it every call its slots held.
+            self.route_pending = True
+            self.push(self.now, _ROUTE)
         self.request_decision()
+
+    def on_route(self) -> None:
+        self.route_pending = False
+        self.drain_queue()
 
     def on_sample(self) -> None:
         if self.done:
@@ -745,7 +774,8 @@ class FleetSim:
         on_engine, on_tool, on_deadline, on_prefilled = self.on_engine, self.on_tool, self.on_deadline, self.on_prefilled
         rare = {_SWITCH: lambda a, b: self.on_switch(a), _DRAIN: lambda a, b: self.on_drain(a),
                 _OPT: lambda a, b: self.on_opt(), _DECIDE: lambda a, b: self.on_decide(a),
-                _LAUNCH: lambda a, b: self.on_launch(a), _SAMPLE: lambda a, b: self.on_sample()}
+                _LAUNCH: lambda a, b: self.on_launch(a), _SAMPLE: lambda a, b: self.on_sample(),
+                _ROUTE: lambda a, b: self.on_route()}
         n = 0
         while events and not self.done:
             t, _, kind, a, b = heapq.heappop(events)
@@ -796,18 +826,18 @@ class FleetSim:
             engines=self.engine_rows, events_log=self.event_rows, runs=self.run_rows)
 
 
-def simulate(w: Workload, policy: Policy, policy_name: str) -> SimResult:
-    return FleetSim(w, policy, policy_name).run()
+def simulate(w: Workload, policy: Policy, policy_name: str, batches: Mapping[int, Batch] | None = None) -> SimResult:
+    return FleetSim(w, policy, policy_name, batches).run()
 
 
 def policy_for(w: Workload, name: str, **params) -> Policy:
     """The registry's policy (any name ``gyre_hpc.sched.registry`` knows), with the inputs
-    the workload knows better: async's configured split, and elastic's parameters from
-    ``w.policy.elastic`` with its target occupancy, KV figure and training-rate prior sized
-    from the workload's engine and trainer unless the workload sets them."""
+    the workload knows better: async's configured split, and elastic's parameters sized from
+    the workload's engine and trainer (``sched.elastic.device_sized``, as a fleet of paced
+    cells sizes them) with ``w.policy.elastic``'s set fields and ``params`` over them."""
     import dataclasses
 
-    from gyre_hpc.sched.elastic import ElasticParams
+    from gyre_hpc.sched.elastic import ElasticParams, ElasticPolicy, device_sized
     from gyre_hpc.sched.registry import get_policy
     if name == "async":
         params.setdefault("train_cells", w.async_split())
@@ -817,7 +847,6 @@ def policy_for(w: Workload, name: str, **params) -> Policy:
         for f in dataclasses.fields(ElasticParams):
             if getattr(given, f.name) != getattr(default, f.name):
                 params.setdefault(f.name, getattr(given, f.name))
-        params.setdefault("target_requests_per_engine", w.engine.target_seqs())
-        params.setdefault("default_train_tokens_per_s", w.train.tokens_per_s)
-        params.setdefault("kv_tokens_per_engine", w.engine.kv_capacity_tokens())
+        get_policy(name, **params)     # unknown names fail as the registry words it
+        return ElasticPolicy(device_sized(w.engine, w.train, params))
     return get_policy(name, **params)

@@ -37,7 +37,7 @@ def compare(w: Workload, policies: tuple[str, ...] = POLICIES, out: str | Path |
             write_run(results[name], w, Path(out) / name)
     report = {
         "workload": w.name, "cells": w.fleet.cells, "steps": w.steps, "runs_per_step": w.run.runs_per_step,
-        "elastic_target_requests_per_engine": w.engine.target_seqs(),
+        "elastic_target_requests_per_engine": policy_for(w, "elastic").params.target_requests_per_engine,
         "engine_kv_capacity_tokens": w.engine.kv_capacity_tokens(),
         "policies": {k: {**r.summary(), "step_s": [round(x, 1) for x in r.step_s]} for k, r in results.items()},
     }

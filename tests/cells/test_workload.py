@@ -58,3 +58,22 @@ def test_resume_refuses_a_checkpoint_of_another_model_by_tensor_name(tmp_path):
 
 def test_scheduler_policy_name_resolves_through_the_registry():
     assert resolve_policy(build_config({"scheduler": {"policy": "scripted"}})) is scripted_policy
+
+
+def test_paced_elastic_is_sized_from_its_device_as_the_simulator_sizes_it():
+    from gyre_hpc.devices import device_preset
+    from gyre_hpc.sim.cluster import policy_for
+    from gyre_hpc.sim.workload import preset
+
+    engine, train = device_preset("paper-local")
+    paced = {"cells": {"count": 3, "device": "paced", "pace": {"preset": "paper-local"}}}
+    p = resolve_policy(build_config({**paced, "scheduler": {"policy": "elastic"}})).params
+    assert (p.target_requests_per_engine, p.kv_tokens_per_engine, p.default_train_tokens_per_s) == \
+        (engine.target_seqs(), engine.kv_capacity_tokens(), train.tokens_per_s) == (2, 16000, 80.0)
+    assert p == policy_for(preset("paper-local"), "elastic").params       # the policy the simulator forecasts
+    # A field the config sets wins over the device's sizing; a native fleet keeps the defaults.
+    set_ = resolve_policy(build_config({**paced, "scheduler": {"policy": "elastic",
+                                                               "elastic": {"target_requests_per_engine": 5}}}))
+    assert set_.params.target_requests_per_engine == 5 and set_.params.default_train_tokens_per_s == 80.0
+    native = resolve_policy(build_config({"scheduler": {"policy": "elastic"}})).params
+    assert native.target_requests_per_engine == 16 and native.default_train_tokens_per_s == 2000.0

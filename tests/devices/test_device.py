@@ -30,6 +30,18 @@ def test_prefill_is_compute_priced_and_grows_with_position():
     assert flat.prefill_s(100, 10_000) == pytest.approx(0.1)
 
 
+def test_an_engine_step_takes_its_prefills_after_the_decode_or_beside_it():
+    e = EngineModel(single_seq_tokens_per_s=100.0, half_saturation_seqs=9.0, prefill_tokens_per_s=1000.0)
+    assert e.batch_step_s(2, 0.0, []) == pytest.approx(e.step_s(2))
+    assert e.batch_step_s(2, 0.0, [(5, 0), (3, 10)]) == pytest.approx(e.step_s(2))          # 8 ms beside an 11 ms step
+    assert e.batch_step_s(2, 0.0, [(50, 0)]) == pytest.approx(0.05)                         # the prefill is longer
+    in_step = EngineModel(single_seq_tokens_per_s=100.0, half_saturation_seqs=9.0, prefill_tokens_per_s=1000.0,
+                          prefill_in_step=True)
+    assert in_step.batch_step_s(2, 0.0, [(5, 0), (3, 10)]) == pytest.approx(e.step_s(2) + 0.008)
+    assert in_step.batch_step_s(0, 0.0, [(50, 0)]) == pytest.approx(0.05)
+    assert device_preset("paper-local")[0].prefill_in_step      # paced TorchEngines prefill inside the step
+
+
 def test_kv_lives_per_gpu_beside_its_share_of_the_weights():
     e = EngineModel(gpus=8, gpu_memory_gb=80.0, weights_gb=320.0, memory_utilization=0.9, kv_bytes_per_token=1e5,
                     attention_gpus=2)

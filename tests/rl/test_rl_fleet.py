@@ -20,6 +20,7 @@ from gyre_hpc.jobs.launchers import LocalLauncher
 from gyre_hpc.jobs.plan import local_plan
 from gyre_hpc.jobs.supervisor import Supervisor
 from gyre_hpc.rl.trainer import RLTrainer
+from gyre_hpc.rundir.inspect import replica_finish
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import read_table
 from tests.rl.rl_helpers import REPO, latest_meta, mpi_env, program_argv, rl_config, run_fleet, store_run_ids, write_run_dir
@@ -337,3 +338,30 @@ def test_paced_cells_hold_their_device_durations_and_record_them_as_emulated(tmp
     mbs = [d.decode() if isinstance(d, bytes) else str(d) for e, d in zip(ev["event"], ev["detail"])
            if (e.decode() if isinstance(e, bytes) else str(e)) == "train_mb"]
     assert mbs and all(re.match(r"cell=\d+ rank=\d+ mb=\d+ tokens=\d+ seconds=", d) for d in mbs)
+
+
+def test_a_slower_replica_is_dealt_less_and_every_replica_ends_the_step_together(tmp_path):
+    """Issue 25's unequal replicas: one paced cell at 0.7 of the device's speed. Dealing by
+    predicted finish time (the last group cut finest, the step's last micro-batches waiting for
+    the replica that ends them first) keeps every replica's last micro-batch within 10% of the
+    step's training span in every step with >= 2 replicas (metrics.h5's train_mb events, read
+    as ``gyre-hpc inspect`` reads them), and the slow replica trains fewer tokens."""
+    cfg = rl_config(tmp_path, "cells.device=paced", "cells.pace.speed={2: 0.7}", "scheduler.policy=colocate",
+                    "cells.pace.engine.single_seq_tokens_per_s=400", "cells.pace.train.tokens_per_s=160",
+                    "train.micro_batch_tokens=96", "train.row_tokens=96", "rollout.tasks_per_step=36",
+                    "rollout.runs_per_task=1")
+    proc, result = run_fleet(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = RunDir.at(cfg.run_dir)
+    ev = read_table(run.metrics, "events")
+    events = [(float(t), e.decode() if isinstance(e, bytes) else str(e), int(s), d.decode() if isinstance(d, bytes)
+               else str(d)) for t, e, s, d in zip(ev["time"], ev["event"], ev["step"], ev["detail"])]
+    finish = replica_finish(events)
+    assert finish and set(finish["steps"]) == {s["step"] for s in result["steps"]}, finish
+    assert finish["max_share"] <= 0.10, finish
+    tokens: dict[int, int] = {}
+    for _, e, _, d in events:
+        if e == "train_mb":
+            f = dict(kv.split("=") for kv in d.split())
+            tokens[int(f["cell"])] = tokens.get(int(f["cell"]), 0) + int(f["tokens"])
+    assert tokens[2] < min(tokens[0], tokens[1]), tokens

@@ -91,14 +91,34 @@ def test_dealing_follows_measured_speed():
     speeds = ReplicaSpeeds()
     speeds.record(1, 2000, 1.0)
     speeds.record(2, 1000, 1.0)
-    held = {1: 0, 2: 0}
+    free_at = {1: 0.0, 2: 0.0}
+    dealt = {1: 0, 2: 0}
     for _ in range(30):
-        r = pick_replica([1, 2], held, speeds, 100)
-        held[r] += 100
-    assert held == {1: 2000, 2: 1000}
+        r = pick_replica([1, 2], free_at, speeds, 100)
+        free_at[r] += 100 / speeds.rate(r)
+        dealt[r] += 100
+    assert dealt == {1: 2000, 2: 1000}
     assert speeds.rate(7) == 2000   # never measured: as fast as the fastest
+    # What a replica holds counts: replica 1 is busy for 0.2 s more, so 2 finishes 100 tokens first.
+    assert pick_replica([1, 2], {1: 0.2, 2: 0.0}, speeds, 100) == 2
+    assert pick_replica([1, 2], {1: 0.01, 2: 0.0}, speeds, 100) == 1
     with pytest.raises(RuntimeError, match="no TRAIN replica"):
         pick_replica([], {}, speeds, 1)
+
+
+def test_the_finest_cut_of_a_group_is_its_deepest_path_and_trains_every_token_once():
+    from gyre_hpc.rl.batches import finest_rows
+    from gyre_hpc.trees.builder import group_forest, node_depth
+
+    trees = _trees(n_tasks=1, g=4, seed=3)
+    rows = finest_rows(trees)
+    forest = group_forest(trees)
+    assert rows == int((node_depth(forest) + forest.node_len).max())
+    coarse = group_micro_batches(trees, 1, 0, 4 * rows, 4 * rows)
+    fine = group_micro_batches(trees, 1, 0, rows, rows)
+    assert len(fine) > len(coarse) and max(mb.tokens for mb in fine) <= rows
+    assert sum(mb.loss_tokens for mb in fine) == sum(mb.loss_tokens for mb in coarse)
+    assert finest_rows(trees, forest=False) == max(int((node_depth(t) + t.node_len).max()) for t in trees)
 
 
 def test_trainer_state_moves_weights_and_optimizer_moments(tmp_path):

@@ -102,6 +102,16 @@ def test_elastic_reclaims_at_once_when_no_engine_serves_or_arrives():
     assert "no engine serving or arriving" in got[0].reason
 
 
+def test_a_batch_starting_with_nothing_to_train_brings_every_replica_back():
+    # 2 runs fit one engine at the target, but nothing is left to train: every cell serves
+    # the batch (a replica kept would idle while the batch decodes on fewer engines). With a
+    # backlog, only as many as the runs need.
+    idle = ELASTIC(state("TTTTTT", unfinished_runs=2, queued_requests=2, train_backlog_tokens=0))
+    assert flips(idle) == {c: R for c in range(1, 6)}
+    busy = ELASTIC(state("TTTTTT", unfinished_runs=2, queued_requests=2, train_backlog_tokens=50_000))
+    assert flips(busy) == {5: R}
+
+
 def test_elastic_reclaims_only_after_demand_is_sustained_for_reclaim_after_s():
     # 6 requests of 3 runs (sub-agents call in parallel), 1 engine (target 4): one more engine
     # is needed, but only once the queue has outlasted the hysteresis interval; the runs
@@ -401,3 +411,17 @@ def test_every_elastic_reason_states_figures_that_hold():
                 assert int(m[1]) <= float(m[3]) * int(m[4]) * int(m[2]), ch.reason
                 checked += 1
     assert checked > 20
+
+
+def test_device_sized_elastic_takes_the_engines_latency_target_kv_and_training_rate():
+    from gyre_hpc.devices import EngineModel, TrainModel
+    from gyre_hpc.sched.elastic import device_sized
+
+    e = EngineModel(single_seq_tokens_per_s=20.0, half_saturation_seqs=8.0, max_seqs=32, gpus=1, gpu_memory_gb=1.0,
+                    weights_gb=0.1, kv_bytes_per_token=50_000.0)
+    p = device_sized(e, TrainModel(tokens_per_s=80.0))
+    # (1 + 8) / 0.9 - 8 = 2: two sequences decode within 10% of one alone.
+    assert (p.target_requests_per_engine, p.kv_tokens_per_engine, p.default_train_tokens_per_s) == (2, 16000, 80.0)
+    assert device_sized(e, TrainModel(), {"fill": 0.5, "target_requests_per_engine": 7}).target_requests_per_engine == 7
+    with pytest.raises(TypeError):
+        device_sized(e, TrainModel(), {"slots": 3})

@@ -12,7 +12,8 @@ from gyre_hpc.cli import main
 from gyre_hpc.sim.cluster import policy_for, simulate
 from gyre_hpc.sim.measure import batching_fit, lognormal_fit, measure
 from gyre_hpc.sim.record import write_run
-from gyre_hpc.sim.workload import load_workload, preset
+from gyre_hpc.sim.compare import scaled
+from gyre_hpc.sim.workload import WorkloadError, load_workload, preset
 
 TINY = dataclasses.replace(preset("tiny"), steps=3)
 
@@ -72,6 +73,30 @@ def test_tokens_per_call_come_from_trees_zarr(tmp_path):
     expect = lognormal_fit(trained / t["n_paths"].values)
     assert m.overrides["run"]["output_tokens"]["median"] == pytest.approx(expect["median"], rel=1e-4)
     assert "no readable config.yaml" in m.not_measured["fleet.cells"]
+
+
+def test_tokens_trained_per_tree_token_come_from_the_micro_batches(tmp_path):
+    from gyre_hpc.rundir.load import open_trees
+    from gyre_hpc.rundir.metrics import EventRow, MetricsWriter, TimelineRow
+    from gyre_hpc.sim.sample import write_synthetic_trees
+    write_synthetic_trees(tmp_path, steps=1)
+    total = float(open_trees(tmp_path / "trees.zarr")["n_tokens"].values.sum())
+    with MetricsWriter(tmp_path / "metrics.h5") as mw:
+        mw.add(TimelineRow(0, 0, "TRAIN", "start"))
+        mw.append([EventRow(1.0, "train_mb", 1, f"cell=0 rank=1 mb={k} tokens={int(total * 0.3)} seconds=1.0")
+                   for k in range(2)])
+    m = measure(tmp_path)
+    assert m.overrides["run"]["trained_per_token"] == pytest.approx(2 * int(total * 0.3) / total, rel=1e-4)
+    assert "run.trained_per_token" not in m.not_measured
+
+
+def test_the_simulator_trains_a_runs_tokens_times_its_packing():
+    w = scaled(TINY, **{"steps": 1})
+    full = simulate(w, policy_for(w, "colocate"), "colocate")
+    packed = simulate(scaled(w, **{"run.trained_per_token": 0.5}), policy_for(w, "colocate"), "colocate")
+    assert packed.tokens_trained == pytest.approx(0.5 * full.tokens_trained, rel=1e-9)
+    with pytest.raises(WorkloadError, match="run.trained_per_token=0"):
+        scaled(w, **{"run.trained_per_token": 0.0})
 
 
 def test_sim_measured_from_compares_with_the_run_and_saves_a_workload(sim_run, tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 
 from gyre_hpc.rundir.metrics import read_table
 from gyre_hpc.sched.state import ClusterState, Role, RoleChange
-from gyre_hpc.sim.batch import sample_batch
-from gyre_hpc.sim.cluster import SimError, policy_for, simulate
+from gyre_hpc.sim.batch import Batch, sample_batch
+from gyre_hpc.sim.cluster import FleetSim, SimError, policy_for, simulate
 from gyre_hpc.sim.compare import compare, scaled
 from gyre_hpc.sim.record import write_run
 from gyre_hpc.sim.workload import Dist, EngineModel, WorkloadError, load_workload, preset
@@ -156,8 +157,11 @@ def test_workload_file_overrides_fields_and_names_bad_ones(tmp_path):
 
 
 @pytest.mark.slow
-def test_paper_preset_fits_colocate_inside_its_priors_and_checks_async(capsys):
-    from gyre_hpc.sim.calibrate import fit
+def test_paper_preset_holds_its_priors_and_its_colocate_fit_fails_loudly(capsys):
+    """Since engines that one flip opens share the waiting calls (the fix of 2026-12-03), no
+    value of the fitted prior gives the paper's 91.5 h of colocate: the calibration fails,
+    naming the prior, and the preset holds the nearer end of it (docs/sim.md)."""
+    from gyre_hpc.sim.calibrate import FitError, fit
     from gyre_hpc.sim.compare import PAPER_HOURS
     from gyre_hpc.sim.priors import PAPER_FITTED, PAPER_PRIORS
     w = preset("paper")
@@ -168,8 +172,10 @@ def test_paper_preset_fits_colocate_inside_its_priors_and_checks_async(capsys):
         for part in p.path.split("."):
             obj = getattr(obj, part)
         assert p.holds(obj), (p.path, obj)
-    f = fit(w, PAPER_FITTED, PAPER_HOURS["colocate"], tol=0.02)
-    assert f.inside_prior and f.error <= 0.02
+    with pytest.raises(FitError, match=r"colocate at 91.50 h needs engine.prefill_ctx_tokens outside its prior"):
+        fit(w, PAPER_FITTED, PAPER_HOURS["colocate"], tol=0.02)
+    f = fit(w, PAPER_FITTED, PAPER_HOURS["colocate"], tol=0.02, strict=False)
+    assert not f.inside_prior and f.value == PAPER_FITTED.low == w.engine.prefill_ctx_tokens
     t0 = time.perf_counter()
     rep = compare(w, tune_async=True)
     wall = time.perf_counter() - t0
@@ -177,7 +183,7 @@ def test_paper_preset_fits_colocate_inside_its_priors_and_checks_async(capsys):
     with capsys.disabled():
         print(f"\npaper preset: {json.dumps(hours)} speedup {rep['speedup']} tuned {rep['async_tuned']['train_cells']} "
               f"{rep['async_tuned']['total_h']} h, check {rep['paper_async_check']['splits_reproducing']} in {wall:.1f}s")
-    assert abs(hours["colocate"] / PAPER_HOURS["colocate"] - 1) <= 0.02
+    assert hours["colocate"] == pytest.approx(f.hours, rel=1e-3) and 0.85 < hours["colocate"] / PAPER_HOURS["colocate"] < 0.98
     for v in rep["policies"].values():
         assert v["runs_finished"] == 48 * w.run.runs_per_step
     assert rep["equal_tokens"]["max_relative_difference"] < 1e-3
@@ -481,3 +487,38 @@ def test_the_regime_shape_is_read_off_colocate_and_the_batches():
     assert shape["runs_per_engine"] == pytest.approx(16 / 5) and shape["runs_per_engine_over_kv_contexts"] is None
     heavy = regime_shape(scaled(fixed, **{"run.calls": Dist("lognormal", 3, 1.0)}), r)
     assert heavy["slowest_over_median_run"] > 1.5
+
+
+def test_a_prefill_inside_the_step_delays_the_decoding_sequences_by_its_length():
+    e = dataclasses.replace(TINY.engine, prefill_in_step=True)
+    w = dataclasses.replace(scaled(TINY, **{"fleet.cells": 2, "fleet.async_train_cells": 1}), engine=e)
+    sim = FleetSim(w, policy_for(w, "colocate"), "colocate")
+    eng = sim.engines[1]
+    sim.cells[1].role = Role.ROLLOUT
+    sim.now = 0.0
+    for run in (0, 1):   # two runs' worth of bookkeeping, outside a batch
+        sim.run_batch.append(0); sim.run_idx.append(0); sim.run_deadline.append(math.inf); sim.run_tokens.append(0.0)
+        sim.run_start.append(0.0); sim.run_migrations.append(0); sim.run_where.append(-1); sim.run_done.append(False)
+        sim.run_home.append(-1); sim.run_cached.append(0.0); sim.run_placed.append(0)
+    sim.batches[0] = Batch(step=0, work=[[100.0], [10.0]], prefill_s=[[0.0], [2.0]], tool_s=[[0.0], [0.0]],
+                           tokens=[[1.0], [1.0]], ctx=[[0.0], [0.0]], group=[0, 0], calls=[1, 1], critical_s=[0, 0])
+    sim.run_base[0] = 0
+    sim.place(0, 1, 100.0)                    # decoding alone: 100 tokens at the single-sequence speed
+    alone = 100.0 / sim.rate(eng)
+    sim.now = 1.0
+    sim.place(1, 1, 10.0, prefill=2.0)        # a 2 s prefill arrives after 1 s
+    t, _, kind, cid, _ = min(ev for ev in sim.events if ev[2] == 0 and ev[4] == eng.stamp)
+    assert cid == 1 and t == pytest.approx(alone + 2.0)
+
+
+def test_engines_a_flip_opens_together_share_the_calls_waiting_for_them():
+    # Colocate brings every cell back at a batch's start: the 48 queued runs must spread over
+    # the 7 engines that come up at the same instant (least loaded first, as the runtime's
+    # router spreads a batch over the engines one flip opened), not fill the first of them to
+    # its slots (it took 32 and the next 16 before the fix, and the runs stayed on them).
+    w = dataclasses.replace(preset("paper-local"), steps=2, engine_sample_s=0.5)
+    r = simulate(w, policy_for(w, "colocate"), "colocate")
+    start = next(e.time for e in r.events_log if e.event == "batch_start" and e.step == 1)
+    first = min(x.time for x in r.engines if x.time > start + 0.2)
+    held = [x.inflight for x in r.engines if x.time == first and x.cell != 0]
+    assert len(held) == 7 and max(held) <= -(-48 // 7) and min(held) >= 48 // 7 - 1, held
