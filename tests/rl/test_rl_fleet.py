@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gyre_hpc.cells import checkpoint
+from gyre_hpc.config import load_config
 from gyre_hpc.jobs.launchers import LocalLauncher
 from gyre_hpc.jobs.plan import local_plan
 from gyre_hpc.jobs.supervisor import Supervisor
@@ -124,8 +126,48 @@ def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
     assert list(steps["pre_update_clip_share"]) == [0.0, 0.0] and list(steps["behaviour_kl"]) == [0.0, 0.0]
 
 
-def test_easy_job_completes_writes_outputs_and_reward_rises(tmp_path):
-    """``gyre-hpc run examples/easy.yaml``: local launcher, elastic, 3 cells, the easy suite."""
+def advantage_weighted_logprob_change(run: RunDir, cfg) -> list[float]:
+    """Per step: the mean over its runs of advantage x (the final policy's mean token logprob of
+    the run - the initial policy's). Positive where training moved the policy toward the runs
+    that scored above their group and away from those below: what a policy gradient does,
+    whatever the sampled rewards' noise (16 runs a step)."""
+    from gyre_hpc.trees.attention import tree_attention
+    from gyre_hpc.trees.loss import group_advantages, packed_token_logprobs
+    from gyre_hpc.trees.packing import collate, pack
+    from gyre_hpc.trees.store import TreeStore
+
+    initial = RLTrainer(cfg).model
+    final = RLTrainer(cfg)
+    final.load(checkpoint.latest_dir(run.checkpoints))
+
+    def mean_logp(model, tree) -> float:
+        batch = collate(pack([tree], 1 << 20))
+        with torch.no_grad():
+            logits = model(batch.input_ids, batch.position_ids,
+                           attention_fn=tree_attention("sdpa", batch.subtree_end, needs_grad=False))
+            logp, _ = packed_token_logprobs(logits, batch)
+        return float(logp.mean()) if logp.numel() else 0.0
+
+    with TreeStore.open(run.trees, "r") as store:
+        trees = list(store)
+    per_step = cfg.rollout.tasks_per_step * cfg.rollout.runs_per_task     # on-policy: steps commit in order
+    out = []
+    for lo in range(0, len(trees), per_step):
+        step = trees[lo:lo + per_step]
+        adv = group_advantages([t.reward for t in step], [t.task_id for t in step])
+        change = [mean_logp(final.model, t) - mean_logp(initial, t) for t in step]
+        out.append(float(np.dot(adv, change)) / len(step))
+    return out
+
+
+def test_easy_job_completes_writes_outputs_and_trains_toward_rewarded_runs(tmp_path):
+    """``gyre-hpc run examples/easy.yaml``: local launcher, elastic, 3 cells, the easy suite.
+
+    Learning is checked on the policy, not on the sampled reward: 8 steps of 16 runs are too
+    few for the mean reward to rise on every seed (2026-12-03, 16 steps, seeds 0/1/2: first
+    two steps 0.453/0.516/0.484, last two 0.445/0.586/0.570; seed 0 passed a rise threshold
+    with the earlier attention kernels and failed it with the same run's sixth step sampled one
+    token differently). The advantage-weighted logprob change was 0.46/0.51/0.54 on those runs."""
     run = RunDir.at(tmp_path / "run")
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
     proc = subprocess.run([gyre, "run", "examples/easy.yaml", "--set",
@@ -141,10 +183,10 @@ def test_easy_job_completes_writes_outputs_and_reward_rises(tmp_path):
     assert {"config.json", "model.safetensors", "optimizer.safetensors"} <= {p.name for p in latest.iterdir()}
     steps = read_table(run.metrics, "steps")
     assert list(steps["step"]) == list(range(1, 9))
-    reward = steps["reward_mean"]
-    first, last = float(np.mean(reward[:2])), float(np.mean(reward[-2:]))
-    print(f"mean reward first two steps {first:.3f}, last two {last:.3f}: {np.round(reward, 3).tolist()}")
-    assert last > first + 0.04
+    moved = advantage_weighted_logprob_change(run, load_config(REPO / "examples/easy.yaml", [f"run_dir={run.root}"]))
+    print(f"mean reward per step {np.round(steps['reward_mean'], 3).tolist()}; "
+          f"advantage-weighted logprob change per step {np.round(moved, 3).tolist()}")
+    assert len(moved) == 8 and float(np.mean(moved)) > 0.1, moved
     # Whether elastic flips here depends on measured speeds (flips are pinned by the tests
     # above and by the e2e benchmark); what must hold is that nothing ran twice.
     assert int(read_table(run.metrics, "runs")["restarts"].sum()) == 0
