@@ -87,7 +87,9 @@ class ElasticParams:
     # The most a release may lengthen the decode step of the engines that remain, against
     # the step they would take with every non-core cell serving (colocate's deployment, at
     # the same demand and KV): the tail's protection by what a step reads, not by requests.
-    tail_slowdown: float = 0.02
+    # 0: never release while a run is open (elastic is then colocate). ``device_sized``
+    # takes the engine's own tolerated slowdown (the one that sizes the target occupancy).
+    tail_slowdown: float = 0.1
 
     def __post_init__(self) -> None:
         if self.kv_tokens_per_engine < 0:
@@ -137,7 +139,7 @@ def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> Elast
               "default_train_tokens_per_s": train.tokens_per_s,
               # EngineModel.step_s(n, K) = (h + n) / ((1 + h) single) + K kv_read_s_per_token
               "step_fixed_s": h / ((1.0 + h) * single), "step_per_seq_s": 1.0 / ((1.0 + h) * single),
-              "step_per_kv_token_s": engine.kv_read_s_per_token}
+              "step_per_kv_token_s": engine.kv_read_s_per_token, "tail_slowdown": engine.tolerated_slowdown}
     return ElasticParams(**{**sizing, **dict(given or {})})
 
 

@@ -159,6 +159,7 @@ def test_elastic_step_model_is_the_device_models_step():
     e = EngineModel(single_seq_tokens_per_s=100.0, half_saturation_seqs=256.0, max_seqs=256, gpus=64,
                     gpu_memory_gb=80.0, weights_gb=2400.0, kv_bytes_per_token=104_000.0, gpu_bandwidth_gb_s=3350.0)
     p = device_sized(e, TrainModel())
+    assert p.tail_slowdown == e.tolerated_slowdown
     for n, kv in ((1, 0.0), (10, 3.5e6), (85, 3e7)):
         assert p.step_s(1, n, kv) == pytest.approx(e.step_s(n, kv), rel=1e-12)
         assert p.step_s(4, 4 * n, 4 * kv) == pytest.approx(e.step_s(n, kv), rel=1e-12)   # spread evenly
