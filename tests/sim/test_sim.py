@@ -107,6 +107,31 @@ def test_zero_switch_cost_elastic_is_never_slower_than_colocate():
     assert rep["speedup"]["elastic_over_colocate"] >= 1.0
 
 
+def test_elastic_that_may_not_slow_the_tail_at_all_is_colocate():
+    # tail_slowdown 0: no release while a run is open, every cell serves each batch: the
+    # fallback elastic holds where releasing would not pay is colocate's schedule exactly.
+    c = run("colocate")
+    e = simulate(TINY, policy_for(TINY, "elastic", tail_slowdown=0.0), "elastic")
+    assert e.total_s == pytest.approx(c.total_s, rel=1e-9) and e.switches == c.switches
+
+
+def test_no_batch_starts_on_an_engine_left_serving_alone():
+    # The paper preset where elastic lost most to colocate after the routing fix (0.805 on
+    # 8 steps): a cell kept serving at a batch's end took every first call of the next
+    # batch (256 runs on one engine) before the replicas were back. Now the next batch
+    # starts on every cell at once and elastic is faster than colocate.
+    w = scaled(dataclasses.replace(preset("paper"), seed=2, steps=4), **{"train.tokens_per_s": 3200.0})
+    c = simulate(w, policy_for(w, "colocate"), "colocate")
+    e = simulate(w, policy_for(w, "elastic"), "elastic")
+    starts = [ev.time for ev in e.events_log if ev.event == "batch_start"]
+    assert c.total_s / e.total_s > 1.0, (c.total_h, e.total_h)
+    # every batch after the first starts with no engine serving: every elastic cell flips back
+    for t in starts[1:]:
+        back = [row for row in e.timeline if row.event == "switch" and row.time == pytest.approx(t)
+                and row.detail.startswith("TRAIN->ROLLOUT")]
+        assert len(back) == w.fleet.cells - w.core_cells, (t, len(back))
+
+
 def test_policy_that_flips_the_core_cell_is_rejected():
     def rogue(state: ClusterState) -> list[RoleChange]:
         return [RoleChange(0, Role.ROLLOUT, "rogue")] if state.unfinished_runs else []
