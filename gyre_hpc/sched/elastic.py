@@ -13,8 +13,18 @@ hold at the target occupancy (``target_requests_per_engine`` each), which is wha
 caller compares its demand against when it measures ``demand_over_capacity_s``.
 
 The runs that decide the step (the tail: the ones expected to finish last) are protected:
-an engine holding tail requests is never released, and the tail must still find a lightly
-loaded engine among those that remain, so a release never slows the slowest run.
+an engine holding tail requests is never released, the tail must still find a lightly
+loaded engine among those that remain, and, where the engines' decode step is known
+(``step_*``, sized from the device model), the engines that remain must decode the open
+runs and the KV they hold within ``tail_slowdown`` of the step every non-core cell would
+take (colocate's deployment): a step reads every resident sequence's KV, so long contexts
+make a shared engine slower than its request count says.
+
+Where releasing would not pay, elastic holds what colocate holds: every cell serves a
+batch that starts with nothing to train, and once a batch is over the engines left serving
+train too when cells were released during it, so the next batch starts on every cell at
+once (an engine left serving alone takes every first call, and a run stays where its
+prefix is cached).
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ from typing import Any, Mapping
 from gyre_hpc.sched.capacity import (
     arriving_engines, flippable, rollout_demand, serving_engines, train_rate, trainers_rate,
 )
-from gyre_hpc.sched.state import CellState, ClusterState, Role, RoleChange
+from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Role, RoleChange
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,20 @@ class ElasticParams:
     # releases win on top (never slower than the split across the simulator's sensitivity
     # sweep; measured, not guaranteed). 0: no floor.
     train_floor_cells: int = 0
+    # The engines' decode step, per token of each sequence: ``step_fixed_s + n x
+    # step_per_seq_s + K x step_per_kv_token_s`` for n sequences holding K KV tokens (the
+    # weights read once a step, amortised; every resident sequence's KV read every step).
+    # Sized from the device model (``device_sized``); a native fleet sets it from the engine
+    # benchmark. All 0: unknown, and a release is sized by requests and KV capacity alone.
+    step_fixed_s: float = 0.0
+    step_per_seq_s: float = 0.0
+    step_per_kv_token_s: float = 0.0
+    # The most a release may lengthen the decode step of the engines that remain, against
+    # the step they would take with every non-core cell serving (colocate's deployment, at
+    # the same demand and KV): the tail's protection by what a step reads, not by requests.
+    # 0: never release while a run is open (elastic is then colocate). ``device_sized``
+    # takes the engine's own tolerated slowdown (the one that sizes the target occupancy).
+    tail_slowdown: float = 0.1
 
     def __post_init__(self) -> None:
         if self.kv_tokens_per_engine < 0:
@@ -86,6 +110,19 @@ class ElasticParams:
             raise ValueError(f"elastic max_staleness={self.max_staleness}: must be >= 0")
         if self.train_floor_cells < 0:
             raise ValueError(f"elastic train_floor_cells={self.train_floor_cells}: must be >= 0 (0 = no floor)")
+        for name in ("step_fixed_s", "step_per_seq_s", "step_per_kv_token_s", "tail_slowdown"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"elastic {name}={getattr(self, name)}: must be >= 0")
+
+    @property
+    def step_modelled(self) -> bool:
+        return self.step_fixed_s > 0 or self.step_per_seq_s > 0 or self.step_per_kv_token_s > 0
+
+    def step_s(self, engines: int, requests: int, kv_tokens: float) -> float:
+        """The decode step (seconds a token) of ``requests`` holding ``kv_tokens`` spread
+        evenly over ``engines`` (the router balances them)."""
+        n = max(engines, 1)
+        return self.step_fixed_s + (requests * self.step_per_seq_s + kv_tokens * self.step_per_kv_token_s) / n
 
 
 def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> ElasticParams:
@@ -97,8 +134,12 @@ def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> Elast
     decodes within the engine's tolerated slowdown of its speed alone, the KV figure the
     engine's capacity, the training-rate prior one replica's modelled rate.
     """
+    h, single = engine.half_saturation_seqs, engine.single_seq_tokens_per_s
     sizing = {"target_requests_per_engine": engine.target_seqs(), "kv_tokens_per_engine": engine.kv_capacity_tokens(),
-              "default_train_tokens_per_s": train.tokens_per_s}
+              "default_train_tokens_per_s": train.tokens_per_s,
+              # EngineModel.step_s(n, K) = (h + n) / ((1 + h) single) + K kv_read_s_per_token
+              "step_fixed_s": h / ((1.0 + h) * single), "step_per_seq_s": 1.0 / ((1.0 + h) * single),
+              "step_per_kv_token_s": engine.kv_read_s_per_token, "tail_slowdown": engine.tolerated_slowdown}
     return ElasticParams(**{**sizing, **dict(given or {})})
 
 
@@ -240,7 +281,20 @@ class ElasticPolicy:
         caps = [kv_capacity(c, p.kv_tokens_per_engine) for c in remaining]
         if remaining and all(caps) and state.tokens_inflight > p.fill * sum(caps):
             return False
+        if not self.step_holds(state, len(remaining), demand):
+            return False
         return self.holds_tail(len(remaining), demand, state.tail_runs, p.fill)
+
+    def step_holds(self, state: ClusterState, engines: int, demand: int) -> bool:
+        """Whether ``engines`` decode ``demand`` requests and the KV of every started run
+        (``tokens_inflight``: runs in a tool call come back to theirs) within ``tail_slowdown``
+        of the step every non-core cell serving them would take (what colocate holds)."""
+        p = self.params
+        if not p.step_modelled:
+            return True
+        full = sum(1 for c in state.cells if c.kind is not CellKind.CORE)
+        return (p.step_s(engines, demand, state.tokens_inflight)
+                <= (1.0 + p.tail_slowdown) * p.step_s(full, demand, state.tokens_inflight) * (1 + 1e-9))
 
     def _release(self, state: ClusterState) -> list[RoleChange]:
         p = self.params
@@ -253,6 +307,15 @@ class ElasticPolicy:
             return []
         demand = rollout_demand(state)
         serving = serving_engines(state)
+        if (state.unfinished_runs == 0 and state.train_backlog_tokens > 0 and not self.holding_split
+                and self._above_floor(state, flippable(state, Role.TRAIN))):
+            # The batch is over and cells released during it train: the engines left serve no
+            # run and would take every first call of the next batch before the others are
+            # back (a run stays where its prefix is cached). As colocate does, they train too,
+            # and the next batch starts on every cell at once.
+            why = (f"every run of the batch is done, {state.train_backlog_tokens} tok to train: the last "
+                   f"{len(serving)} engines train too (the next batch starts on every cell at once)")
+            return [RoleChange(c.cell, Role.TRAIN, why) for c in flippable(state, Role.ROLLOUT)]
         # Never a cell whose engine holds tail requests: migrating them slows the slowest run.
         # Fewest in-flight requests first (least KV to migrate), then highest id.
         candidates = sorted((c for c in flippable(state, Role.ROLLOUT) if c.tail_requests == 0),

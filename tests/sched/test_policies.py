@@ -112,6 +112,59 @@ def test_a_batch_starting_with_nothing_to_train_brings_every_replica_back():
     assert flips(busy) == {5: R}
 
 
+def test_a_batch_end_sends_the_engines_left_to_train_when_cells_were_released_during_it():
+    # The batch is over, cells 3-5 were released during it and train; cells 1-2 still serve.
+    # 1000 tokens would not repay their switch on their own, but an engine left serving would
+    # take every first call of the next batch before the replicas are back (a run stays on
+    # the engine that caches its prefix): they train too, as colocate's would.
+    got = ELASTIC(state("TRRTTT", unfinished_runs=0, train_backlog_tokens=1000))
+    assert flips(got) == {1: T, 2: T}
+    assert "next batch starts on every cell at once" in got[0].reason
+    # Nothing released during the batch (every cell serves): the next batch has them all
+    # anyway, and a backlog shorter than the switch keeps them (the pay check).
+    assert ELASTIC(state("TRRRRR", unfinished_runs=0, train_backlog_tokens=1000)) == []
+    # Holding a split at staleness 1, the split's engines stay for the next batch.
+    held = ElasticPolicy(ElasticParams(target_requests_per_engine=4, fill=1.0, max_staleness=1, train_floor_cells=2))
+    assert held(state("TRRTTT", unfinished_runs=0, train_backlog_tokens=1000)) == []
+
+
+STEP = dict(step_fixed_s=0.01, step_per_seq_s=0.0001, step_per_kv_token_s=1e-9)
+
+
+def test_elastic_release_keeps_the_step_within_tail_slowdown_of_every_cell_serving():
+    # 8 runs on 4 engines; by requests they fit one engine of 8 (fill 1). What a step reads
+    # decides. The step: 10 ms + 0.1 ms a sequence + 1 ms per 1M KV tokens, spread over the
+    # engines. Against the 5 non-core cells serving (10.36 ms with 1M KV tokens), 3 engines
+    # take 2.3% longer, 2 engines 5.2%: with tail_slowdown 5% one engine (cell 4) goes, with
+    # 2% none.
+    inflight = {1: 2, 2: 2, 3: 2, 4: 2}
+
+    def go(slowdown: float, kv: int):
+        p = ElasticPolicy(ElasticParams(target_requests_per_engine=8, fill=1.0, tail_slowdown=slowdown, **STEP))
+        return flips(p(state("TRRRRT", inflight=inflight, tokens_inflight=kv, train_backlog_tokens=BIG_BACKLOG)))
+    assert go(0.05, 1_000_000) == {4: T}
+    assert go(0.02, 1_000_000) == {}
+    # Short contexts (10K KV tokens): 2 engines are 2.4% slower, 1 engine 6.4%: two go.
+    assert go(0.05, 10_000) == {4: T, 3: T}
+    # Without a step model (a fleet that never measured one) requests and KV capacity decide.
+    unmodelled = ElasticPolicy(ElasticParams(target_requests_per_engine=8, fill=1.0))
+    assert flips(unmodelled(state("TRRRRT", inflight=inflight, tokens_inflight=1_000_000,
+                                  train_backlog_tokens=BIG_BACKLOG))) == {2: T, 3: T, 4: T}
+
+
+def test_elastic_step_model_is_the_device_models_step():
+    from gyre_hpc.devices import EngineModel, TrainModel
+    from gyre_hpc.sched.elastic import device_sized
+
+    e = EngineModel(single_seq_tokens_per_s=100.0, half_saturation_seqs=256.0, max_seqs=256, gpus=64,
+                    gpu_memory_gb=80.0, weights_gb=2400.0, kv_bytes_per_token=104_000.0, gpu_bandwidth_gb_s=3350.0)
+    p = device_sized(e, TrainModel())
+    assert p.tail_slowdown == e.tolerated_slowdown
+    for n, kv in ((1, 0.0), (10, 3.5e6), (85, 3e7)):
+        assert p.step_s(1, n, kv) == pytest.approx(e.step_s(n, kv), rel=1e-12)
+        assert p.step_s(4, 4 * n, 4 * kv) == pytest.approx(e.step_s(n, kv), rel=1e-12)   # spread evenly
+
+
 def test_elastic_reclaims_only_after_demand_is_sustained_for_reclaim_after_s():
     # 6 requests of 3 runs (sub-agents call in parallel), 1 engine (target 4): one more engine
     # is needed, but only once the queue has outlasted the hysteresis interval; the runs

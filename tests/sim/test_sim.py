@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import math
 import time
 
@@ -106,6 +107,31 @@ def test_zero_switch_cost_elastic_is_never_slower_than_colocate():
     assert rep["speedup"]["elastic_over_colocate"] >= 1.0
 
 
+def test_elastic_that_may_not_slow_the_tail_at_all_is_colocate():
+    # tail_slowdown 0: no release while a run is open, every cell serves each batch: the
+    # fallback elastic holds where releasing would not pay is colocate's schedule exactly.
+    c = run("colocate")
+    e = simulate(TINY, policy_for(TINY, "elastic", tail_slowdown=0.0), "elastic")
+    assert e.total_s == pytest.approx(c.total_s, rel=1e-9) and e.switches == c.switches
+
+
+def test_no_batch_starts_on_an_engine_left_serving_alone():
+    # The paper preset where elastic lost most to colocate after the routing fix (0.805 on
+    # 8 steps): a cell kept serving at a batch's end took every first call of the next
+    # batch (256 runs on one engine) before the replicas were back. Now the next batch
+    # starts on every cell at once and elastic is faster than colocate.
+    w = scaled(dataclasses.replace(preset("paper"), seed=2, steps=4), **{"train.tokens_per_s": 3200.0})
+    c = simulate(w, policy_for(w, "colocate"), "colocate")
+    e = simulate(w, policy_for(w, "elastic"), "elastic")
+    starts = [ev.time for ev in e.events_log if ev.event == "batch_start"]
+    assert c.total_s / e.total_s > 1.0, (c.total_h, e.total_h)
+    # every batch after the first starts with no engine serving: every elastic cell flips back
+    for t in starts[1:]:
+        back = [row for row in e.timeline if row.event == "switch" and row.time == pytest.approx(t)
+                and row.detail.startswith("TRAIN->ROLLOUT")]
+        assert len(back) == w.fleet.cells - w.core_cells, (t, len(back))
+
+
 def test_policy_that_flips_the_core_cell_is_rejected():
     def rogue(state: ClusterState) -> list[RoleChange]:
         return [RoleChange(0, Role.ROLLOUT, "rogue")] if state.unfinished_runs else []
@@ -172,8 +198,11 @@ def test_paper_preset_holds_its_priors_and_its_colocate_fit_fails_loudly(capsys)
         for part in p.path.split("."):
             obj = getattr(obj, part)
         assert p.holds(obj), (p.path, obj)
-    with pytest.raises(FitError, match=r"colocate at 91.50 h needs engine.prefill_ctx_tokens outside its prior"):
-        fit(w, PAPER_FITTED, PAPER_HOURS["colocate"], tol=0.02)
+    with pytest.raises(FitError, match=r"colocate at 91.50 h needs engine.prefill_ctx_tokens outside its prior") as err:
+        fit(w, PAPER_FITTED, PAPER_HOURS["colocate"], tol=0.02, others=PAPER_PRIORS)
+    # ... while one of three other priors, each inside its range, would give the paper's hours
+    for path in ("train.tokens_per_s 2300 -> ", "engine.single_seq_tokens_per_s 100 -> ", "run.tool_s.median 5 -> "):
+        assert re.search(re.escape(path) + r"[\d.e+]+ \(inside", str(err.value)), (path, str(err.value))
     f = fit(w, PAPER_FITTED, PAPER_HOURS["colocate"], tol=0.02, strict=False)
     assert not f.inside_prior and f.value == PAPER_FITTED.low == w.engine.prefill_ctx_tokens
     t0 = time.perf_counter()
@@ -202,6 +231,24 @@ def test_calibration_fits_inside_the_prior_and_fails_loudly_outside_it():
         fit(w, narrow, truth)
     loose = fit(w, narrow, truth, strict=False)
     assert not loose.inside_prior and loose.value == 3000.0
+
+
+def test_a_failed_fit_says_which_other_prior_would_reach_the_target_and_how_far():
+    from gyre_hpc.sim.calibrate import FitError, fit, hours, moves_to_reach
+    from gyre_hpc.sim.priors import Prior
+    w = scaled(TINY, **{"steps": 2})
+    # The truth: tool time at 3 s, not the preset's 2 s. The fitted prior (training) cannot
+    # absorb it inside [3000, 5000]; tool time's own prior reaches it, near 3 s; training
+    # hours barely move with the optimizer step inside its prior.
+    truth = hours(scaled(w, **{"run.tool_s.median": 3.0}), ("colocate",))["colocate"]
+    tool = Prior("run.tool_s.median", 1.0, 4.0, "test")
+    opt = Prior("train.optimizer_step_s", 4.0, 6.0, "test")
+    moves = {m.path: m for m in moves_to_reach(w, (tool, opt), truth)}
+    assert moves["run.tool_s.median"].inside_prior and moves["run.tool_s.median"].needed == pytest.approx(3.0, rel=0.1)
+    assert not moves["train.optimizer_step_s"].inside_prior
+    narrow = Prior("train.tokens_per_s", 3000.0, 5000.0, "a prior that excludes the truth")
+    with pytest.raises(FitError, match=r"needs one of: run.tool_s.median 2 -> [23]\.\d+ \(inside \[1, 4\]\)"):
+        fit(w, narrow, truth, others=(tool, opt))
 
 
 @pytest.mark.parametrize("dist", [Dist("lognormal", 100, 0.5), Dist("pareto", 100, alpha=3.0), Dist("fixed", 7.0),
