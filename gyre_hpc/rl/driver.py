@@ -37,7 +37,6 @@ import numpy as np
 
 from gyre_hpc.cells.controller import Controller
 from gyre_hpc.cells.plan import train_ranks
-from gyre_hpc.rl import messages
 from gyre_hpc.rl.cluster_view import ClusterView
 from gyre_hpc.rl.engine_pool import EnginePool
 from gyre_hpc.rl.flips import Flips
@@ -160,7 +159,7 @@ class RLStepDriver:
         if n_runs:
             t_opt = time.perf_counter()
             version = self.fleet.policy_version + 1
-            reps = self._optimizer_step(st.step, n_runs, version, ranks)
+            reps = self.train.optimizer_step(st.step, n_runs, version, ranks)
             t_sync = time.perf_counter()
             optimizer_s = t_sync - t_opt
             sync_bytes = self.engines.push_weights(st.step, version)
@@ -189,16 +188,6 @@ class RLStepDriver:
                                                   self.fleet.cells, now))
         self.rows.add(step_rows(st, rec, len(ranks), now))
         return rec
-
-    def _optimizer_step(self, step: int, n_runs: int, version: int, ranks: list[int]) -> dict:
-        """Allreduce and optimizer step on every TRAIN rank; their replies, checked."""
-        self.fleet.broadcast(messages.Finish(step, n_runs, version, self.fleet.verify_weights), ranks)
-        reps = self.fleet.collect(ranks)
-        bad = [r for r, rep in reps.items() if int(round(rep.replicas)) != len(ranks)]
-        if bad:
-            raise RuntimeError(f"step {step}: ranks {bad} reduced over a train_comm that is not the "
-                               f"{len(ranks)} TRAIN ranks {ranks}")
-        return reps
 
     # ---- the fleet's hooks ---------------------------------------------------------------
     def begin(self) -> None:
@@ -237,19 +226,14 @@ class RLStepDriver:
                 t.cancel()
             self._loop.run_until_complete(asyncio.gather(*ahead, return_exceptions=True))
         self.engines.pause()
-        # Prompt tokens prefilled more than once across engines (computed, or served from a
-        # retained context): 0 unless a migrated sequence was recomputed instead of continued
-        # from its KV cache.
-        counters = self.engines.counters.values()
-        cached = sum(c.cached_prompt_tokens for c in counters)
-        prefilled = sum(c.prefill_tokens for c in counters) + cached
+        asked = self.calls.prompt_tokens
         totals = self.fleet.result.totals
         totals.setdefault("migrations", 0)      # in-flight requests moved with their KV cache
-        totals["recomputed_prefill_tokens"] = prefilled - self.calls.prompt_tokens
-        totals["cached_prompt_tokens"] = cached  # served from retained session contexts, not prefilled
-        print(f"[rl] prompt tokens {self.calls.prompt_tokens}: {cached} served from retained session contexts "
-              f"({cached / max(self.calls.prompt_tokens, 1):.0%}), {prefilled - cached} prefilled, "
-              f"{totals['recomputed_prefill_tokens']} recomputed", flush=True)
+        totals.update(self.engines.prompt_totals(asked))
+        cached, recomputed = totals["cached_prompt_tokens"], totals["recomputed_prefill_tokens"]
+        print(f"[rl] prompt tokens {asked}: {cached} served from retained session contexts "
+              f"({cached / max(asked, 1):.0%}), {asked - cached + recomputed} prefilled, {recomputed} recomputed",
+              flush=True)
         if self._loop is not None:
             self._loop.close()
             self._loop = None

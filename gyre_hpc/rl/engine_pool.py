@@ -125,3 +125,13 @@ class EnginePool:
         total = self.transport.recomputed_prefill_tokens
         recomputed, self._recomputed_mark = total - self._recomputed_mark, total
         return recomputed
+
+    def prompt_totals(self, prompt_tokens: int) -> dict[str, int]:
+        """The fleet's prompt-token totals once every engine is paused, against the
+        ``prompt_tokens`` the runs asked for: tokens served from retained session contexts, and
+        tokens prefilled more than once across engines (0 unless a migrated sequence was
+        recomputed instead of continued from its KV cache)."""
+        counters = self.counters.values()
+        cached = sum(c.cached_prompt_tokens for c in counters)
+        prefilled = sum(c.prefill_tokens for c in counters) + cached
+        return {"recomputed_prefill_tokens": prefilled - prompt_tokens, "cached_prompt_tokens": cached}

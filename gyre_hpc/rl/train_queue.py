@@ -128,3 +128,14 @@ class TrainQueue:
 
     def trained_tokens(self, st: StepState) -> int:
         return sum(mb.loss_tokens for v in st.done_by.values() for mb in v)
+
+    def optimizer_step(self, step: int, n_runs: int, version: int, ranks: list[int]) -> dict:
+        """Allreduce and optimizer step on every TRAIN rank; their replies, checked: a rank that
+        reduced over another set of replicas would have averaged the wrong gradients."""
+        self.fleet.broadcast(messages.Finish(step, n_runs, version, self.fleet.verify_weights), ranks)
+        reps = self.fleet.collect(ranks)
+        bad = [r for r, rep in reps.items() if int(round(rep.replicas)) != len(ranks)]
+        if bad:
+            raise RuntimeError(f"step {step}: ranks {bad} reduced over a train_comm that is not the "
+                               f"{len(ranks)} TRAIN ranks {ranks}")
+        return reps

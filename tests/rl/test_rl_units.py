@@ -661,3 +661,17 @@ def test_progress_lines_print_each_step_as_it_lands(tmp_path):
     assert ("step 2/3 reward 0.500 wall 20.0s trained 1200 tok flips 1 KV moved 2 requests + 3 contexts "
             "logprob gap 0 ETA 15s") in lines[0]
     assert step_lines(path, cfg, 2, 0.0) == [] and len(step_lines(path, cfg, 0, 0.0)) == 2
+
+
+def test_prompt_totals_count_cached_and_recomputed_prompt_tokens_across_engines():
+    """Two paused engines: 100 tokens asked, 30 of them served from retained contexts, 75
+    prefilled (5 of them a second time, as a migrated sequence recomputed would be)."""
+    from types import SimpleNamespace
+
+    from gyre_hpc.engines.requests import EngineCounters
+    from gyre_hpc.rl.engine_pool import EnginePool
+
+    pool = SimpleNamespace(counters={1: EngineCounters(prefill_tokens=40, cached_prompt_tokens=10),
+                                     2: EngineCounters(prefill_tokens=35, cached_prompt_tokens=20)})
+    assert EnginePool.prompt_totals(pool, 100) == {"recomputed_prefill_tokens": 5, "cached_prompt_tokens": 30}
+    assert EnginePool.prompt_totals(pool, 105) == {"recomputed_prefill_tokens": 0, "cached_prompt_tokens": 30}
