@@ -14,6 +14,9 @@ from pathlib import Path
 
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.harness.tasks import Task
+from gyre_hpc.harness.repo_teacher import RepoTeacher
+from gyre_hpc.harness.tasks.longhorizon import PLAYBOOKS
+from gyre_hpc.harness.tasks.xlong import XLONG_PLAYBOOKS
 from gyre_hpc.harness.teacher import TeacherClient
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
 from gyre_hpc.trees.builder import build_tree
@@ -45,13 +48,27 @@ def gives_up(g: int, rate: float) -> float:
     return float(int((g + 1) * rate) > int(g * rate))
 
 
+def playbook_of(task: Task):
+    """The teacher's knowledge of ``task`` (a ``long`` or an ``xlong`` playbook), or None."""
+    return PLAYBOOKS.get(task.task_id) or XLONG_PLAYBOOKS.get(task.task_id)
+
+
+def teacher_client(task: Task, seed: int, tokenizer: ChatTokenizer, give_up: float):
+    """The scripted teacher for ``task``: the ``long`` suite's plan follower, or the ``xlong``
+    suite's reactive teacher (``give_up`` is the ``long`` teacher's; the repository teacher's
+    detours are its own)."""
+    if task.task_id in XLONG_PLAYBOOKS:
+        return RepoTeacher(task, seed=seed, tokenizer=tokenizer)
+    return TeacherClient(task, seed=seed, tokenizer=tokenizer, give_up=give_up)
+
+
 async def _run_all(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, root: Path, seed: int,
                    tokenizer: ChatTokenizer, give_up: float) -> list[RunResult]:
     runs = []
     for t in tasks:
         for g in range(runs_per_task):
             rid = f"teacher-{t.task_id}-{g}"
-            client = TeacherClient(t, seed=seed * 7919 + g, tokenizer=tokenizer, give_up=gives_up(g, give_up))
+            client = teacher_client(t, seed * 7919 + g, tokenizer, gives_up(g, give_up))
             runs.append(AgentRun(t, root / rid, client, root / f"{rid}.jsonl", cfg, run_id=rid, tokenizer=tokenizer))
     return list(await asyncio.gather(*(r.run(resume=False) for r in runs)))
 
