@@ -259,7 +259,7 @@ class AgentRun:
                 if report.score < 1.0 and self.retries < self.cfg.max_retries:
                     self.retries += 1
                     context = anchor.prefix(len(anchor) - len(self.gen)).extend(
-                        self.chat.message("user", f"retry {self.retries}: " + report.summary()) + self.gen)
+                        self.chat.message("user", f"retry {self.retries}: " + self._report(report)) + self.gen)
                     continue
                 return result
             if finished:
@@ -268,6 +268,9 @@ class AgentRun:
             context = context.extend(comp.output).as_call(k).extend(
                 self.chat.end_of_turn(comp.output) + self.chat.tool_result(shown) + self.gen)
         return "turn budget spent"
+
+    def _report(self, report: CheckReport) -> str:
+        return report.summary(failures=self.task.report_failures)
 
     async def _check(self, task: Task | None = None) -> CheckReport:
         """The task's tests on the workspace now (``task``: the same task with a scoped subset)."""
@@ -299,8 +302,8 @@ class AgentRun:
             if action.tool == "test":
                 scope = action.text().strip()
                 if not scope:
-                    return (await self._check()).summary(), False
-                return (await self._check(self.task.scoped(scope))).summary(), False
+                    return self._report(await self._check()), False
+                return self._report(await self._check(self.task.scoped(scope))), False
             if action.tool == "delegate":
                 return await self._delegate(action.text(), agent), False
         except ToolError as exc:

@@ -11,9 +11,10 @@ start learns is then a function of what the model sees, and it carries a run of 
 
 Like ``TeacherClient`` it is a ``ModelClient`` plugged into a real ``AgentRun``; it emits calls
 only through ``actions.format_action`` and summaries as plain text, in the run's tokenizer.
-Detours, seeded: a wrong first fix now and then (``wrong_rate``; the next report names the
-same module again) and, with ``early_finish``, a premature finish once ``p0`` is fixed, which
-the harness answers with a retry.
+Detours, seeded: with ``early_finish``, a premature finish once ``p0`` is fixed, which the
+harness answers with a retry; with ``wrong_rate`` (0 by default: a fix the report does not
+spell out is not something a policy can learn from it), a wrong first fix now and then, after
+which the next report names the same module again. A summary says only to run the tests.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
 _REPORT = re.compile(r"^(\d+)/(\d+) tests passed")
 _FAIL = re.compile(r"^FAIL (\S+?):", re.MULTILINE)
 _USER, _END = "<|im_start|>user\n", "<|im_end|>"
+SUMMARY = "Run the tests to see what is left."
 _RESULT_START, _RESULT_END = "<tool_response>\n", "\n</tool_response>"
 
 
@@ -61,7 +63,7 @@ class RepoTeacher:
     """One run's teacher: ``AgentRun(task, ..., client=RepoTeacher(task, seed))``."""
 
     def __init__(self, task: Task, seed: int = 0, playbook: RepoPlaybook | None = None,
-                 tokenizer: ChatTokenizer | None = None, wrong_rate: float = 0.1, early_finish: float = 0.5) -> None:
+                 tokenizer: ChatTokenizer | None = None, wrong_rate: float = 0.0, early_finish: float = 0.5) -> None:
         if playbook is None and task.task_id not in XLONG_PLAYBOOKS:
             raise ValueError(f"task {task.task_id!r} has no repository playbook; tasks with one: "
                              f"{', '.join(XLONG_PLAYBOOKS)}")
@@ -76,7 +78,6 @@ class RepoTeacher:
         self.finish_early = self.rng.random() < early_finish
         self.reading: dict[str, str] = {}      # agent -> the module it has just asked to read
         self.written: dict[str, int] = {}      # module path -> writes so far
-        self.last_written: dict[str, str] = {}
         self.package_of: dict[str, str] = {}   # sub-agent id -> the package it was given
         self.delegations = 0
         self.calls = 0
@@ -86,8 +87,8 @@ class RepoTeacher:
         self.calls += 1
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
         if SUMMARY_REQUEST in text[-(len(SUMMARY_REQUEST) + 64):]:
-            note = self.last_written.get(agent)
-            ids = self.tokenizer.encode(f"fixed up to {note}" if note else "started") + [self.tokenizer.eos_id]
+            # The report says where the work stands; the summary only has to say to look.
+            ids = self.tokenizer.encode(SUMMARY) + [self.tokenizer.eos_id]
         else:
             ids = format_action(*self._act(agent, *last_user_turn(text)), tokenizer=self.tokenizer)
         ids = list(ids)[:max_new_tokens]
@@ -117,8 +118,9 @@ class RepoTeacher:
                 return ("finish", f"{self.playbook.own} fixed")
             self.delegations += 1
             self.package_of[f"sub{self.delegations}"] = package
-            return ("delegate", f"fix {package}")
-        path = first + ".py" if "/" in first else f"{first}/m00.py"
+            return ("delegate", package)
+        path = first + ".py" if "/" in first else next((m.path for m in self.playbook.modules if m.package == first),
+                                                             f"{first}/m00.py")
         self.reading[agent] = path
         return ("read", path)
 
@@ -128,6 +130,5 @@ class RepoTeacher:
             return self._test(agent)
         tries = self.written.get(path, 0)
         self.written[path] = tries + 1
-        self.last_written[agent] = module.test_name
         wrong = tries == 0 and self.rng.random() < self.wrong_rate
         return ("write", path, module_source(module.wrong if wrong else module.want))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -247,6 +248,10 @@ class RLStepDriver:
         totals.setdefault("migrations", 0)      # in-flight requests moved with their KV cache
         totals["recomputed_prefill_tokens"] = prefilled - self.calls.prompt_tokens
         totals["cached_prompt_tokens"] = cached  # served from retained session contexts, not prefilled
+        # Peak resident memory of this rank (controller, router, harness runs, store writer)
+        # and of the largest training replica, over the launch (bench xlong reads them).
+        totals["controller_peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        totals["train_peak_rss_kib"] = self.train.peak_rss_kib
         print(f"[rl] prompt tokens {self.calls.prompt_tokens}: {cached} served from retained session contexts "
               f"({cached / max(self.calls.prompt_tokens, 1):.0%}), {prefilled - cached} prefilled, "
               f"{totals['recomputed_prefill_tokens']} recomputed", flush=True)

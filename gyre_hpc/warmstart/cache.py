@@ -30,7 +30,7 @@ from gyre_hpc.models.checkpoint import CONFIG_FILE, save_pretrained
 from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.models.tokenizer import embedded_tokenizer
 from gyre_hpc.warmstart.sft import train_sft
-from gyre_hpc.warmstart.trajectories import playbook_of, teacher_runs
+from gyre_hpc.warmstart.trajectories import playbook_of, teacher_runs, teacher_variants
 
 # Bump when the teacher's behaviour or the SFT recipe changes in a way the key cannot see.
 RECIPE_VERSION = 1
@@ -74,6 +74,9 @@ def warmstart_key(cfg: RunConfig) -> str:
         "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir", "seed"}),
         "seed": cfg.warmstart.seed,
     }
+    variants = teacher_variants(tasks, cfg.warmstart.runs_per_task)
+    if variants:   # xlong: the teacher runs variants of the tasks, which the tasks' repr does not show
+        fingerprint["variants"] = variants
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

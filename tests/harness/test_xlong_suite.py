@@ -13,7 +13,7 @@ from gyre_hpc.harness.client import Completion
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.repo_teacher import RepoTeacher, first_failure, last_user_turn
 from gyre_hpc.harness.tasks import check_workspace, load_suite
-from gyre_hpc.harness.tasks.xlong import MODULES, SIZES, XLONG_PLAYBOOKS, module_source
+from gyre_hpc.harness.tasks.xlong import MODULES, SIZES, XLONG_PLAYBOOKS, fix_message, module_source, repo_variant
 from gyre_hpc.harness.tools import ToolError
 from gyre_hpc.models.tokenizer import embedded_tokenizer
 from gyre_hpc.trees.builder import build_tree
@@ -38,13 +38,18 @@ def test_checker_grades_module_by_module_and_names_the_next_fix(tmp_path):
     assert report.score == 0.0 and len(task.tests) == 5 * (MODULES + 1)
     first = pb.modules[0]
     assert first_failure(report.summary()) == (True, "p0/m00")
-    assert f"FAIL p0/m00: AssertionError: want {first.want}" in report.summary()
+    # The report the model sees: the count and the first failure, its fix spelled as the call's
+    # own arguments (a module of a delegated package also names the sub-agent's task).
+    shown = report.summary(failures=task.report_failures)
+    assert shown == (f"0/{len(task.tests)} tests passed\nFAIL p0/m00: AssertionError: fix "
+                     f'{{"path": "p0/m00.py", "content": "def f(x):\\n    return {first.want}\\n"}}')
+    assert fix_message(pb.modules[MODULES], "p0").endswith(', "task": "p1"}')
     for m in pb.modules[:3]:
         (ws / m.path).write_text(module_source(m.want))
     (ws / pb.modules[3].path).write_text("def f(x) return\n")          # does not parse: same message
     report = check_workspace(task, ws)
     assert report.score == pytest.approx(3 / len(task.tests))
-    assert f"FAIL p0/m03: AssertionError: want {pb.modules[3].want}" in report.summary()
+    assert f"FAIL p0/m03: AssertionError: {fix_message(pb.modules[3], 'p0')}" in report.summary()
     for m in pb.modules[3:MODULES]:
         (ws / m.path).write_text(module_source(m.want.replace("*", " * ")))   # spacing does not matter
     report = check_workspace(task, ws)     # p0's modules and its package test (their behaviour) pass
@@ -72,7 +77,7 @@ def test_test_tool_takes_a_scope_through_the_loop(tmp_path):
     cfg = HarnessConfig(max_new_tokens=64, context_limit=4096, max_retries=0)
     r = asyncio.run(AgentRun(task, tmp_path / "ws", client, tmp_path / "j", cfg).run())
     assert r.status == "finished" and len(r.calls) == 3
-    assert f"0/{MODULES + 1} tests passed\nFAIL p2/m00" in client.prompts[1]
+    assert f"0/{MODULES + 1} tests passed\nFAIL p2/m00" in client.prompts[1] and "FAIL p2/m01" not in client.prompts[1]
     assert "error: no test is named 'nope'" in client.prompts[2]
 
 
@@ -80,7 +85,7 @@ def test_teacher_reads_the_last_turn_of_the_prompt():
     assert last_user_turn("<|im_start|>user\n<tool_response>\n3/4 tests passed\nFAIL a: x\n</tool_response>"
                           "<|im_end|>\n<|im_start|>assistant\n") == ("result", "3/4 tests passed\nFAIL a: x")
     assert last_user_turn("<|im_start|>user\nretry 1: 0/1 tests passed<|im_end|>\n") == ("retry", "0/1 tests passed")
-    assert last_user_turn("<|im_start|>user\nsummary: fixed up to p0/m03<|im_end|>\n")[0] == "summary"
+    assert last_user_turn("<|im_start|>user\nsummary: Run the tests<|im_end|>\n")[0] == "summary"
     assert last_user_turn("<|im_start|>user\nMake the tests pass<|im_end|>\n")[0] == "start"
     assert first_failure("5/5 tests passed") == (True, None)
     assert first_failure("wrote 3 bytes") == (False, None)
@@ -115,3 +120,20 @@ def test_teacher_finishes_every_task_the_long_way(tmp_path):
     assert np.array_equal(tree.tokens, whole.tokens) and np.array_equal(tree.parent, whole.parent)
     for k in (0, len(longest.calls) // 2, len(longest.calls) - 1):
         np.testing.assert_array_equal(tree.path(k), longest.calls.seq(k))
+
+
+def test_teacher_variants_change_the_wants_and_leave_some_modules_right(tmp_path):
+    task, pb = repo_variant("xl-p5", 0)
+    suite = XLONG_PLAYBOOKS["xl-p5"]
+    assert task.task_id == "xl-p5" and task.tests != _tasks()["xl-p5"].tests
+    assert sum(a.want != b.want for a, b in zip(pb.modules, suite.modules)) > len(pb.modules) // 2
+    right = sum(task.files[m.path] == module_source(m.want) for m in pb.modules)
+    assert 0.1 * len(pb.modules) < right < 0.35 * len(pb.modules)
+    assert repo_variant("xl-p5", 0)[0] == task and repo_variant("xl-p5", 1)[0] != task
+    with pytest.raises(ValueError, match="not an xlong task"):
+        repo_variant("lh-stats", 0)
+    # The teacher finishes a variant (of the mini suite: a few dozen calls) through the real loop.
+    mini, mini_pb = repo_variant("xm-p3", 2)
+    r = asyncio.run(AgentRun(mini, tmp_path / "ws", RepoTeacher(mini, seed=1, playbook=mini_pb), tmp_path / "j",
+                             _harness()).run())
+    assert (r.status, r.reward, r.delegations) == ("finished", 1.0, 2)

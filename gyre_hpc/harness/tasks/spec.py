@@ -24,6 +24,7 @@ class Task:
     files: dict[str, str] = field(default_factory=dict)
     answer_file: str = "answer.txt"   # where the default action (unparseable output) appends
     max_turns: int = 12               # main-agent model calls before the run ends (summaries excluded)
+    report_failures: int | None = None   # failing tests a test report lists (None: all)
 
     def __post_init__(self) -> None:
         if not self.tests:

@@ -9,12 +9,14 @@ all pass. About three calls per module, a delegation and a test per package, a c
 every few dozen calls (the context limit of ``examples/xlong.yaml``): 5 packages take about
 290 calls and 500K tokens of context, 8 about 470 calls and 800K.
 
-Why each fix is learnable by a tiny byte-level model: the test report's first line after
-the count names the next failing module and what it must return (``FAIL p1/m04:
-AssertionError: want x*3+1``), so the next action (read that path, then write
-``def f(x):`` returning that expression) is a copy of text the model has just seen, never a
-memory of the plan. The report is all the state the loop needs: after a compression the agent
-runs the tests and carries on.
+Why each fix is learnable by a tiny byte-level model: the test report (the count and the
+first failure only, ``Task.report_failures``) names the next failing module and its fix as the
+very arguments of the call that makes it (``FAIL p1/m04: AssertionError: fix {"path":
+"p1/m04.py", "content": "def f(x):\\n    return x*3+1\\n", "task": "p1"}``), so each argument
+the model writes next (``"path": "``, ``"content": "``, a delegation's ``"task": "``) continues
+the last place it read the same words: a copy of text just seen (what an induction head does),
+never a memory of the plan; and whether to delegate is whether the report names a task. The
+report is all the state the loop needs: after a compression the agent runs the tests and carries on.
 
 Why the checks are cheap: a module's test parses its file with ``ast`` in the judge (no worker
 process), comparing ``f``'s return expression with the wanted one; each package's test imports
@@ -26,6 +28,7 @@ module's path, wanted expression and a wrong first attempt.
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -88,12 +91,22 @@ def _wants(mods: list[ModuleFix]) -> str:
     return "{" + ", ".join(f"{m.path!r}: ast.dump(ast.parse({m.want!r}, mode='eval').body)" for m in mods) + "}"
 
 
-def _module_test(m: ModuleFix) -> TaskTest:
+def fix_message(m: ModuleFix, own: str) -> str:
+    """What a module's failing test says: the fix as the arguments of the call that makes it
+    (and, for a package the main agent delegates, the sub-agent's task), so the next call
+    continues text the model has just read."""
+    args = {"path": m.path, "content": module_source(m.want)}
+    if m.package != own:
+        args["task"] = m.package
+    return "fix " + json.dumps(args)
+
+
+def _module_test(m: ModuleFix, own: str) -> TaskTest:
     # Parsed, never run, in the judge (no worker process): the expression is compared as a
     # syntax tree, so spacing and parentheses the parser drops do not matter, and a file that
     # does not parse fails with the same message.
     code = (f"import ast\n{_RETURNS}want = {_wants([m])}\n"
-            f"assert returns({m.path!r}) == [want[{m.path!r}]], {('want ' + m.want)!r}")
+            f"assert returns({m.path!r}) == [want[{m.path!r}]], {fix_message(m, own)!r}")
     return TaskTest(m.test_name, code)
 
 
@@ -115,31 +128,52 @@ def _expr(a: int, b: int) -> str:
     return f"x*{a}+{b}"
 
 
-def repo_task(task_id: str, packages: int, modules: int = MODULES, seed: int = 0) -> tuple[Task, RepoPlaybook]:
-    """A repository of ``packages`` x ``modules`` modules, each starting wrong; its playbook."""
+def repo_task(task_id: str, packages: int, modules: int = MODULES, seed: int = 0,
+              broken: float = 1.0) -> tuple[Task, RepoPlaybook]:
+    """A repository of ``packages`` x ``modules`` modules, each starting wrong with probability
+    ``broken`` (the suite's: all of them); its playbook."""
     rng = random.Random(f"{seed}/{task_id}")
     mods: list[ModuleFix] = []
     for p in range(packages):
         for k in range(modules):
             a, b = rng.randint(2, 9), rng.randint(1, 9)
-            mods.append(ModuleFix(f"p{p}/m{k:02d}.py", _expr(a, b), _expr(a, b + 1), _expr(a + 1, b)))
+            start = _expr(a, b + 1) if rng.random() < broken else _expr(a, b)
+            mods.append(ModuleFix(f"p{p}/m{k:02d}.py", _expr(a, b), start, _expr(a + 1, b)))
     files = {"README.md": f"Packages p0..p{packages - 1}, modules m00..m{modules - 1:02d}: each defines f(x); "
                           "the tests say what f must return.\n"}
     tests: list[TaskTest] = []
+    for m in mods:
+        files[m.path] = module_source(m.start)
+        tests.append(_module_test(m, "p0"))
+    # The package tests last: the judge shares the wall clock among the tests still to run, so
+    # the ones that start a worker get most of it, and a report's first failure is a module.
     for p in range(packages):
         files[f"p{p}/__init__.py"] = ""
-        pkg = [m for m in mods if m.package == f"p{p}"]
-        for m in pkg:
-            files[m.path] = module_source(m.start)
-            tests.append(_module_test(m))
-        tests.append(_package_test(f"p{p}", pkg))
-    spec = (f"Make the tests pass: fix p0 yourself, delegate p1..p{packages - 1} one at a time. "
+        tests.append(_package_test(f"p{p}", [m for m in mods if m.package == f"p{p}"]))
+    # One spec for every task: what to do next is always in the last test report.
+    spec = ("Make the tests pass: fix p0 yourself, give each other package to a sub-agent. "
             "Test, read the first failing module, write its fix, test again.")
     # Main calls a competent run needs: p0's modules (3 each), a delegation and a test per
     # other package, the first test and the finish; twice that leaves room for detours.
     main_turns = 2 * (3 * modules + 2 * (packages - 1) + 2)
-    task = Task(task_id=task_id, spec=spec, files=files, tests=tuple(tests), max_turns=main_turns)
+    task = Task(task_id=task_id, spec=spec, files=files, tests=tuple(tests), max_turns=main_turns, report_failures=1)
     return task, RepoPlaybook(tuple(mods))
+
+
+# The teacher's variants of a task for the warm start: the same shape, other wants, a fifth of
+# the modules already right. A warm start on the suite's own tasks can predict each next call
+# by its place in a memorised sequence (module after module, each want by heart); on variants
+# only what the last report says predicts it, so that is what the policy learns to read.
+VARIANT_BROKEN = 0.8
+
+
+def repo_variant(task_id: str, k: int) -> tuple[Task, RepoPlaybook]:
+    """Variant ``k`` (0, 1, ...) of suite task ``task_id``, with its playbook."""
+    sizes = {**{t: (n, MODULES) for t, n in SIZES.items()}, **MINI_SIZES}
+    if task_id not in sizes:
+        raise ValueError(f"task {task_id!r} is not an xlong task; they are {', '.join(sizes)}")
+    packages, modules = sizes[task_id]
+    return repo_task(task_id, packages, modules, seed=k + 1, broken=VARIANT_BROKEN)
 
 
 _BUILT = {tid: repo_task(tid, n) for tid, n in SIZES.items()}
