@@ -221,6 +221,7 @@ class MPIEngines:
         self._engine_of = {r: e for e, r in self.ranks.items()}
         self._pending: list[EngineReport] = []
         self._stopped: set[int] = set()       # engines whose serve loop returned (their cell trains)
+        self._sends: list = []                # commands sent, not yet known to be received
         self.poll_timeout_s = poll_timeout_s
 
     def _rank(self, engine: int) -> int:
@@ -233,7 +234,13 @@ class MPIEngines:
         if engine in self._stopped:
             raise EngineError(f"engine {engine} (rank {rank}) has stopped serving; once the rank is back in "
                               f"serve_engine, resume({engine}) before sending {op!r}")
-        self.comm.send((op, payload), dest=rank, tag=CMD_TAG)
+        # Never a blocking send: a message past MPI's eager limit (a submit with a prompt of
+        # thousands of tokens) waits for the engine to receive it, while the engine may be
+        # waiting in its own send of events (whose outputs carry their prompts) for the
+        # controller to receive those: each blocked on the other. Sent without blocking, the
+        # controller goes on receiving; messages between two ranks keep their order either way.
+        self._sends = [r for r in self._sends if not r.Test()]
+        self._sends.append(self.comm.isend((op, payload), dest=rank, tag=CMD_TAG))
 
     def _receive_one(self, status) -> tuple | None:
         """Take one upward message; events are queued for ``poll``, replies returned as
