@@ -175,6 +175,7 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     totals = fleet["result"].get("totals", {})
     ended = {k: sum(r["ended_by"] == k for r in runs) for k in ("finish", "turn_budget", "wall_clock", "failed", "other")}
     ratios = [r["call_cost"]["total"]["last_over_first"] for r in runs]
+    same_ctx = [r["call_cost"]["total"]["same_context_last_over_first"] for r in runs]
     # The step's own loss is ~0 on-policy (minus the mean advantage): compared absolutely. The
     # probe's is not: compared relatively.
     diff = {k: abs(loss["trainer_forward"][k] - loss["reference"][k]) for k in loss["reference"]}
@@ -189,7 +190,9 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
             "call_cost": "each call of a run replayed from its journal in order: prompt assembled from its context "
                          "segments and made a request (assemble), its journal record appended with fsync "
                          "(journal_append), TorchEngine prefill behind the session's retained context with the "
-                         "step's starting weights (engine_prefill); first/last 10% of the run's calls",
+                         "step's starting weights (engine_prefill); first/last 10% of the run's calls; "
+                         "same_context_last_over_first: the same at equal context length (cost fitted as "
+                         "a + b*context + c*k over the run's calls, at the run's mean context)",
             "harness_held_mb": "memory a run's loaded calls hold (increments, as the live harness holds them), "
                                "traced by tracemalloc; harness_rss_mb: the RSS they add",
             "train_peak_rss_mb": "the largest TRAIN replica's peak resident memory over the step (ru_maxrss of the "
@@ -203,6 +206,7 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
             "sharing_ratio": _quantiles([r["sharing_ratio"] for r in runs]),
             "ended_by": ended, "reward_mean": statistics.fmean(r["reward"] or 0.0 for r in runs),
             "call_cost_last_over_first": _quantiles([x for x in ratios if x is not None]),
+            "call_cost_same_context_last_over_first": _quantiles([x for x in same_ctx if x is not None]),
             "controller_peak_rss_mb": totals.get("controller_peak_rss_kib", 0) / 1024,
             "train_peak_rss_mb": totals.get("train_peak_rss_kib", 0) / 1024,
             "cached_prompt_tokens": totals.get("cached_prompt_tokens"),
@@ -222,9 +226,11 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
             "median_calls_ge_200": statistics.median(calls) >= 200, "max_calls_ge_400": max(calls) >= 400,
             "context_tokens_ge_500k_median": statistics.median(r["context_tokens"] for r in runs) >= 500_000,
             "ended_by_the_run_most": ended["finish"] > len(runs) / 2,
+            "ended_not_by_the_wall_clock_most": ended["wall_clock"] < len(runs) / 2,
             "exponents_le_1_15": {k: series[k]["growth_exponent"] for k in
                                   ("build_s", "harness_held_mb", "journal_bytes", "call_cost_s")},
             "call_cost_last_over_first_le_1_2_max": max(x for x in ratios if x is not None),
+            "call_cost_same_context_last_over_first_le_1_2_max": max(x for x in same_ctx if x is not None),
             "train_peak_rss_lt_4gb": totals.get("train_peak_rss_kib", 0) < 4 * 2**20,
             "loss_equals_reference": {"probe_rel_diff": probe_rel, "step_abs_diff": diff["step"]},
             "bench_within_15_min": bench_s <= 900,

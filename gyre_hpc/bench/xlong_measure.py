@@ -93,6 +93,27 @@ def tail_ratio(costs: list[float], share: float = 0.1) -> dict:
     return {"first_ms": 1e3 * first, "last_ms": 1e3 * last, "last_over_first": last / first if first > 0 else None}
 
 
+def same_context_ratio(costs: list[float], context: list[int], share: float = 0.1) -> float | None:
+    """The last ``share`` of a run's calls against the first at the same context length.
+
+    A call's cost grows with its context (the attention over it, the prompt the client
+    sends), which compressions bound but which is short in every run's first calls, so the
+    plain ratio (``tail_ratio``) charges the window to the run's length. Here the cost is
+    fitted as ``a + b * context + c * k`` over the run's calls (least squares) and the ratio is
+    the fit at the run's mean context, at the mean k of the last share over the first."""
+    n = len(costs)
+    m = max(1, math.ceil(share * n))
+    if n < 3:
+        return None
+    k = np.arange(n, dtype=np.float64)
+    ctx = np.asarray(context, dtype=np.float64)
+    (a, b, c), *_ = np.linalg.lstsq(np.stack([np.ones(n), ctx, k], axis=1), np.asarray(costs, dtype=np.float64),
+                                    rcond=None)
+    first = a + b * ctx.mean() + c * k[:m].mean()
+    last = a + b * ctx.mean() + c * k[-m:].mean()
+    return float(last / first) if first > 0 else None
+
+
 def _deciles(values: list[float]) -> list[float]:
     parts = np.array_split(np.asarray(values, dtype=np.float64), min(10, len(values)))
     return [1e3 * float(p.mean()) for p in parts if p.size]
@@ -103,6 +124,7 @@ def call_cost_summary(costs: dict) -> dict:
     out = {name: tail_ratio(costs[key]) for name, key in
            (("assemble", "assemble_s"), ("journal_append", "append_s"), ("engine_prefill", "prefill_s"))}
     out["total"] = tail_ratio(total)
+    out["total"]["same_context_last_over_first"] = same_context_ratio(total, costs["context_tokens"])
     out["total_ms_by_decile"] = _deciles(total)
     out["total_s"] = float(sum(total))
     out["context_tokens_by_decile"] = [float(p.mean()) for p in np.array_split(np.asarray(costs["context_tokens"]),
@@ -215,15 +237,22 @@ def check_loss(model_dir: str, journals: list[str], trees_path: str, train: dict
     zeroed = [CallLog([dataclasses.replace(i, logprobs=np.zeros_like(i.logprobs)) for i in log.increments])
               for log in logs]
     kept = [sorted(set(range(len(log))) - set(t.dropped_calls)) for log, t in zip(logs, trees)]
-    reference = {}
+    reference, skipped = {}, {}
     t0 = time.perf_counter()
     model64 = load_pretrained(model_dir, dtype=torch.float64)
     with torch.no_grad():
         for name, (rewards, clip, zero_behaviour) in variants.items():
+            if not np.any(group_advantages(rewards, [t.task_id for t in trees])):
+                # Every term of the loss is an advantage times a weight: 0 whatever the model
+                # says, so the reference is 0 exactly (the trainer's figure is still compared
+                # with it); its float64 pass over every call would take minutes for nothing.
+                reference[name], skipped[name] = 0.0, "every advantage is 0"
+                continue
             loss, _ = reference_loss(model64, zeroed if zero_behaviour else logs, rewards, [t.task_id for t in trees],
                                      clip, kept, shared, averaging)
             reference[name] = float(loss)
     reference_s = time.perf_counter() - t0
-    queue.put({"trainer_forward": trainer, "reference": reference, "trainer_forward_s": trainer_s,
+    queue.put({"trainer_forward": trainer, "reference": reference, "reference_not_computed": skipped,
+               "trainer_forward_s": trainer_s,
                "reference_s": reference_s, "runs": len(trees), "kept_calls": sum(len(k) for k in kept),
                "calls": sum(len(log) for log in logs), "groups": cut})

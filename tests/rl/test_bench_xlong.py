@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gyre_hpc.bench.xlong import bench_config
-from gyre_hpc.bench.xlong_measure import call_cost_summary, tail_ratio
+from gyre_hpc.bench.xlong_measure import call_cost_summary, same_context_ratio, tail_ratio
 from tests.rl.rl_helpers import REPO, mpi_env
 
 
@@ -23,6 +23,22 @@ def test_tail_ratio_compares_the_last_tenth_of_the_calls_with_the_first():
                            "prefill_tokens": [5] * 20, "context_tokens": list(range(20))})
     assert s["total"]["last_over_first"] == pytest.approx(0.75 / 0.6) and s["prefill_tokens"] == 100
     assert len(s["total_ms_by_decile"]) == 10 and s["total_s"] == pytest.approx(12.3)
+
+
+def test_same_context_ratio_takes_the_window_out_and_keeps_growth_with_the_run():
+    # Contexts climb within each window of 60 calls (the first 10% of the run is the first half
+    # of one, the last 10% the second half): the plain ratio of a cost that follows the context
+    # alone is > 1, at the same context it is 1.
+    context = [200 + 50 * (k % 60) for k in range(300)]
+    by_context = [1.0 + 0.001 * c for c in context]
+    assert tail_ratio(by_context)["last_over_first"] > 1.3
+    assert same_context_ratio(by_context, context) == pytest.approx(1.0)
+    # A cost that also grows with k is seen: +1.0 over the run at a mean cost of ~3.65.
+    grows = [x + k / 300 for k, x in enumerate(by_context)]
+    mean_ctx = np.mean(context)
+    want = (1 + 0.001 * mean_ctx + np.mean(np.arange(270, 300)) / 300) / (1 + 0.001 * mean_ctx + np.mean(np.arange(30)) / 300)
+    assert same_context_ratio(grows, context) == pytest.approx(want)
+    assert same_context_ratio([1.0, 2.0], [5, 6]) is None
 
 
 def test_bench_config_is_the_example_for_one_step_here(tmp_path):
