@@ -187,7 +187,8 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
             "runs": len(runs), "context_limit": cfg.rollout.context_limit, "model": cfg.model.preset,
             "numerics": cfg.model.numerics, "launcher": "local (mpiexec on this machine)",
             "growth_exponent": "least-squares slope of log(figure) on log(calls per run) over the step's runs",
-            "call_cost": "each call of a run replayed from its journal in order: prompt assembled from its context "
+            "call_cost": "each call of a run replayed from its journal in order (each part the least of 3 replays "
+                         "of the whole run): prompt assembled from its context "
                          "segments and made a request (assemble), its journal record appended with fsync "
                          "(journal_append), TorchEngine prefill behind the session's retained context with the "
                          "step's starting weights (engine_prefill); first/last 10% of the run's calls; "
