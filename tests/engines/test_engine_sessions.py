@@ -251,7 +251,7 @@ def test_migration_items_put_in_flight_requests_before_session_contexts():
 @pytest.mark.mpi
 def test_a_burst_of_long_prompts_over_mpi_finishes_while_the_engine_sends_outputs_back(model_dir, tmp_path):
     """Submits past MPI's eager limit meet outputs past it coming back: neither side may block
-    in its send (the controller's are non-blocking), or an xlong step stalls at 4K contexts."""
+    in its send (the engine's are non-blocking), or an xlong step stalls at 4K contexts."""
     import json
     import subprocess
     import sys
