@@ -14,6 +14,7 @@ BENCHMARKS = {
     "e2e": "gyre_hpc.bench.e2e:command",
     "engines": "gyre_hpc.bench.engines:command",
     "scale": "gyre_hpc.bench.scale:command",
+    "xlong": "gyre_hpc.bench.xlong:command",
     "fuzz": "gyre_hpc.bench.fuzz:command",
     "load": "gyre_hpc.bench.load:command",
     "chaos": "gyre_hpc.bench.chaos:command",

@@ -94,8 +94,8 @@ def serve_engine(engine: Engine, comm, controller: int = 0, chunk_bytes: int | N
             # The prefill counter travels with the events of the same step, so the controller
             # can tell a first prefill (a request's token 0) from a recomputed one exactly.
             counters = engine.counters()
-            comm.send(("events", events, outputs, counters.prefill_tokens, counters.cached_prompt_tokens),
-                      dest=controller, tag=UP_TAG)
+            server.send(("events", events, outputs, counters.prefill_tokens, counters.cached_prompt_tokens))
+    server.flush()
     return engine.counters()
 
 
@@ -107,9 +107,27 @@ class _EngineServer:
         self.kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.decoding = True
         self.stopped = False
+        self._sends: list = []     # upward messages not yet known to be received
+
+    def send(self, msg) -> None:
+        """Upward, never blocking: a message past MPI's eager limit (outputs carry their prompts,
+        thousands of tokens in a long run) waits for the controller to receive it, while the
+        controller may be waiting in its own send of a submit of that size for this rank to
+        receive: each blocked on the other. Sent without blocking, the engine goes back to its
+        commands; messages between two ranks keep their order either way."""
+        self._sends = [r for r in self._sends if not r.Test()]
+        self._sends.append(self.comm.isend(msg, dest=self.controller, tag=UP_TAG))
+
+    def flush(self) -> None:
+        """Wait until the controller has every upward message (it reads them all before the
+        reply to ``stop``, the last one), so no buffer is freed while MPI still reads it."""
+        from mpi4py import MPI
+
+        MPI.Request.Waitall(self._sends)
+        self._sends = []
 
     def reply(self, op: str, payload=None) -> None:
-        self.comm.send(("reply", op, payload), dest=self.controller, tag=UP_TAG)
+        self.send(("reply", op, payload))
 
     def handle(self, op: str, payload) -> None:
         handler = self.ops.get(op) or getattr(self, f"op_{op}", None)

@@ -60,7 +60,7 @@ class Request:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"Request.request_id={self.request_id!r} must be a non-empty string")
-        ids = tuple(int(t) for t in self.prompt_ids)
+        ids = tuple(map(int, self.prompt_ids))
         if not ids:
             raise ValueError(f"Request {self.request_id}: prompt_ids is empty; a prompt needs at least one token (BOS)")
         object.__setattr__(self, "prompt_ids", ids)

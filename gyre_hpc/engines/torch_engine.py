@@ -174,8 +174,10 @@ class TorchEngine(EngineBookkeeping, Engine):
         rid = request.request_id
         if self._find(rid) is not None or rid in self._finished:
             raise ValueError(f"engine {self.name}: request_id {rid!r} is already in this engine")
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
+        ids, vocab = request.prompt_ids, self.model.config.vocab_size
+        # min/max run in C: a per-token Python test cost ~3 ms of a 3K-token call's ~25 ms.
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = [t for t in ids if not 0 <= t < vocab]
             raise ValueError(f"Request {rid}: prompt_ids has ids {bad[:5]} outside the vocabulary "
                              f"0..{self.model.config.vocab_size - 1}")
         need = request.prompt_len + request.params.max_new_tokens

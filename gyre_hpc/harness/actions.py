@@ -29,7 +29,7 @@ TOOLS: dict[str, tuple[tuple[str, ...], int]] = {
     "write": (("path", "content"), 2),
     "list": (("path",), 0),
     "exec": (("command",), 1),
-    "test": ((), 0),
+    "test": (("scope",), 0),     # scope: run only the tests named scope or scope/...
     "delegate": (("task",), 1),
     "finish": (("message",), 0),
 }

@@ -1,16 +1,22 @@
-"""Token contexts that share memory: each call's prompt is a view, never a full copy.
+"""Token contexts held by reference: a branch shares its prefix, it never copies it.
 
-An agent's context only grows (``context + output + tool text``) until it branches
-(compression, retry, a sub-agent's own intro). Holding each call's prompt as its own array
-costs calls x context: quadratic in a long run. Here a context is ``(buffer, length)``: an
-append-only int32 buffer that grows by doubling, and a prompt is the read-only view
-``buffer[:length]``. Extending the newest context of a buffer appends in place; extending
-an older one (a branch) copies its prefix into a fresh buffer, so no view ever changes.
-Buffers left behind by a doubling stay alive only through the views made before it, so the
-memory held is at most about twice the unique tokens.
+An agent's context only grows (``context + output + tool text``) until it branches (a retry
+rewinds to its anchor, a compression starts over from the intro). A context here is a chain
+of append-only segments: ``(segment, length)``, where a segment's tokens follow a prefix of
+its parent context. Extending the newest context of a segment appends in place (amortised
+doubling); extending an older one (a branch: the segment already goes on differently) starts
+a new segment whose parent is that context, so a retry costs its new tokens, whatever the
+length of the prefix it keeps. The memory held is the unique tokens of the live contexts.
 
-The journal loader rebuilds calls through the same class, so a loaded journal shares its
-contexts exactly as the live harness did.
+``array`` materialises the tokens (a copy, O(length)): what a model client is sent. ``tail(k)``
+gives the tokens from position k on without touching the prefix: the new tokens a journal
+record stores.
+
+Provenance (``origin``): ``as_call(k)`` marks a context as call k's prompt + output (or, on a
+prompt, as call k's prompt); ``extend`` keeps the mark and ``prefix`` shortens it. A call's
+prompt then names its base call and the tokens it shares with it (``CallIncrement``) without
+comparing a token, so a journal record and the tree builder's insertion cost the new tokens,
+however long the context (``trees.calls``).
 """
 from __future__ import annotations
 
@@ -19,71 +25,86 @@ from typing import Iterable
 import numpy as np
 
 
-class _Buffer:
-    __slots__ = ("data", "used")
+class _Segment:
+    __slots__ = ("parent", "start", "data", "used")
 
-    def __init__(self, capacity: int):
-        self.data = np.empty(max(capacity, 16), dtype=np.int32)
-        self.used = 0
+    def __init__(self, parent: "TokenContext | None", tokens: np.ndarray):
+        self.parent = parent                        # the context this segment's tokens follow
+        self.start = len(parent) if parent is not None else 0
+        self.data = np.empty(max(16, 2 * tokens.size), dtype=np.int32)
+        self.data[:tokens.size] = tokens
+        self.used = tokens.size
 
     def append(self, tokens: np.ndarray) -> None:
         need = self.used + tokens.size
         if need > self.data.size:
             grown = np.empty(max(need, 2 * self.data.size), dtype=np.int32)
             grown[:self.used] = self.data[:self.used]
-            self.data = grown  # earlier views keep the old array alive; it is never written again
+            self.data = grown     # nothing views the old array: materialised tokens are copies
         self.data[self.used:need] = tokens
         self.used = need
 
 
+def _ids(tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int32).reshape(-1)
+
+
 class TokenContext:
-    """An immutable token sequence backed by a shared, append-only buffer."""
+    """An immutable token sequence held as a chain of shared, append-only segments."""
 
-    __slots__ = ("_buffer", "_length", "_view")
+    __slots__ = ("_seg", "_length", "origin")
 
-    def __init__(self, buffer: _Buffer, length: int):
-        self._buffer, self._length = buffer, length
-        view = buffer.data[:length]
-        view.flags.writeable = False
-        self._view = view
+    def __init__(self, seg: _Segment, length: int, origin: tuple[int, int] | None = None):
+        self._seg, self._length = seg, length
+        self.origin = origin        # (call, shared): its first ``shared`` tokens are that call's
 
     @classmethod
     def of(cls, tokens: Iterable[int] | np.ndarray) -> "TokenContext":
-        tokens = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int32).reshape(-1)
-        buffer = _Buffer(2 * tokens.size)
-        buffer.append(tokens)
-        return cls(buffer, tokens.size)
+        ids = _ids(tokens)
+        return cls(_Segment(None, ids), ids.size)
 
     def __len__(self) -> int:
         return self._length
 
-    @property
-    def array(self) -> np.ndarray:
-        """The tokens as a read-only int32 view (no copy)."""
-        return self._view
-
     def extend(self, tokens: Iterable[int] | np.ndarray) -> "TokenContext":
-        """This context followed by ``tokens``: in place when this is the buffer's newest context."""
-        tokens = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int32).reshape(-1)
-        if self._buffer.used == self._length:
-            self._buffer.append(tokens)
-            return TokenContext(self._buffer, self._length + tokens.size)
-        # A branch: the buffer already continues differently past our end.
-        buffer = _Buffer(2 * (self._length + tokens.size))
-        buffer.append(self._view)
-        buffer.append(tokens)
-        return TokenContext(buffer, self._length + tokens.size)
+        """This context followed by ``tokens``: in place when this is its segment's newest context."""
+        ids = _ids(tokens)
+        seg = self._seg
+        if seg.start + seg.used == self._length:
+            seg.append(ids)
+            return TokenContext(seg, self._length + ids.size, self.origin)
+        return TokenContext(_Segment(self, ids), self._length + ids.size, self.origin)  # a branch
 
     def prefix(self, n: int) -> "TokenContext":
-        """The first ``n`` tokens, sharing the buffer (extending it later branches)."""
+        """The first ``n`` tokens, sharing the segments (extending it later branches)."""
         if not 0 <= n <= self._length:
             raise ValueError(f"TokenContext.prefix({n}) outside 0..{self._length}")
-        return TokenContext(self._buffer, n)
+        origin = None if self.origin is None else (self.origin[0], min(self.origin[1], n))
+        ctx = self
+        while n < ctx._seg.start:       # the prefix ends inside an earlier segment
+            ctx = ctx._seg.parent
+        return TokenContext(ctx._seg, n, origin)
 
+    def as_call(self, call: int) -> "TokenContext":
+        """The same tokens, marked as call ``call``'s (its prompt, or its prompt + output)."""
+        return TokenContext(self._seg, self._length, (call, self._length))
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two 1-D arrays."""
-    n = min(a.size, b.size)
-    if np.array_equal(a[:n], b[:n]):
-        return n
-    return int(np.flatnonzero(a[:n] != b[:n])[0])
+    def tail(self, start: int) -> np.ndarray:
+        """The tokens from position ``start`` to the end (a copy): O(their number + segments)."""
+        if not 0 <= start <= self._length:
+            raise ValueError(f"TokenContext.tail({start}) outside 0..{self._length}")
+        pieces, seg, end = [], self._seg, self._length
+        while end > start:
+            lo = max(start, seg.start)
+            pieces.append(seg.data[lo - seg.start:end - seg.start])
+            end = lo
+            if end > start:
+                end = min(end, len(seg.parent))
+                seg = seg.parent._seg
+        out = np.concatenate(pieces[::-1]) if pieces else np.zeros(0, dtype=np.int32)
+        return out if len(pieces) > 1 else out.copy()
+
+    @property
+    def array(self) -> np.ndarray:
+        """All the tokens as one int32 array (a copy)."""
+        return self.tail(0)

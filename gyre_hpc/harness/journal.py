@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre_hpc import fsio
-from gyre_hpc.harness.context import TokenContext, common_prefix
+from gyre_hpc.trees.calls import CallIncrement, CallLog
 from gyre_hpc.trees.model import ROLE_CODE, ROLES, STATUSES, ModelCall
 
 FORMAT = 2
@@ -42,8 +42,6 @@ MAGIC = b"\x89GYREJ2\n"
 _HEADER = struct.Struct("<IIBI")
 _CALL = struct.Struct("<iiiiiBH")
 RUN, CALL, END = 1, 2, 3
-# How many recent calls (besides each agent's latest) the writer tries as a call's base.
-_BASE_CANDIDATES = 8
 
 
 class JournalError(ValueError):
@@ -55,7 +53,7 @@ class JournalState:
     path: Path
     run_id: str
     task_id: str
-    calls: list[ModelCall] = field(default_factory=list)
+    calls: CallLog = field(default_factory=CallLog)   # whole calls by index, increments held
     status: str = "running"       # "running" (no end record yet) or one of STATUSES
     reward: float | None = None
     wall_s: float | None = None
@@ -110,13 +108,14 @@ def _json(p: Path, n: int, payload: bytes) -> dict:
 
 
 class _CallDecoder:
-    """Rebuilds calls from (base, shared, new tokens), sharing contexts as the harness does."""
+    """Rebuilds calls as the increments they were written as (``trees.calls``): a loaded run
+    holds its unique tokens once, as the live harness does."""
 
-    def __init__(self, p: Path):
+    def __init__(self, p: Path, log: CallLog):
         self.p = p
-        self.seqs: list[TokenContext] = []   # each call's prompt + output
+        self.log = log
 
-    def decode(self, n: int, payload: bytes) -> ModelCall:
+    def decode(self, n: int, payload: bytes) -> CallIncrement:
         p = self.p
         if len(payload) < _CALL.size:
             raise JournalError(f"journal {p} record {n}: call record of {len(payload)} bytes is too short")
@@ -126,20 +125,16 @@ class _CallDecoder:
             raise JournalError(f"journal {p} record {n}: bad call record (sizes do not add up)")
         if role >= len(ROLES):
             raise JournalError(f"journal {p} record {n}: bad call record (role code {role}; roles are {ROLES})")
-        if not -1 <= base < len(self.seqs):
-            raise JournalError(f"journal {p} record {n}: bad call record (base call {base} of {len(self.seqs)})")
-        if base >= 0 and not 0 <= shared <= len(self.seqs[base]) or base < 0 and shared != 0:
+        if not -1 <= base < len(self.log):
+            raise JournalError(f"journal {p} record {n}: bad call record (base call {base} of {len(self.log)})")
+        if base >= 0 and not 0 <= shared <= self.log.seq_len(base) or base < 0 and shared != 0:
             raise JournalError(f"journal {p} record {n}: bad call record (shares {shared} tokens with call {base})")
         agent = payload[at:at + agent_len].decode("utf-8", errors="replace")
         at += agent_len
-        new = np.frombuffer(payload, np.int32, n_new, at)
-        out = np.frombuffer(payload, np.int32, n_out, at + 4 * n_new)
+        new = np.frombuffer(payload, np.int32, n_new, at).copy()
+        out = np.frombuffer(payload, np.int32, n_out, at + 4 * n_new).copy()
         logprobs = np.frombuffer(payload, np.float32, n_out, at + 4 * (n_new + n_out)).copy()
-        prompt = self.seqs[base].prefix(shared).extend(new) if base >= 0 else TokenContext.of(new)
-        seq = prompt.extend(out)
-        self.seqs.append(seq)
-        return ModelCall(prompt.array, seq.array[len(prompt):], logprobs, role=ROLES[role], agent=agent,
-                         policy_version=version)
+        return CallIncrement(base, shared, new, out, logprobs, role=ROLES[role], agent=agent, policy_version=version)
 
 
 def load_journal(path: str | Path) -> JournalState:
@@ -157,7 +152,7 @@ def load_journal(path: str | Path) -> JournalState:
             raise JournalError(f"journal {p} does not start with a run record (the file is {len(raw)} bytes)")
         raise JournalError(f"journal {p} is not a gyre journal (no format-{FORMAT} magic at its start)")
     records = _records(p, raw)
-    decoder = _CallDecoder(p)
+    decoder = _CallDecoder(p, CallLog())     # its log becomes the state's calls
     state: JournalState | None = None
     while True:
         try:
@@ -169,7 +164,7 @@ def load_journal(path: str | Path) -> JournalState:
             if kind != RUN:
                 raise JournalError(f"journal {p} does not start with a run record")
             head = _json(p, n, payload)
-            state = JournalState(p, str(head.get("run_id", "")), str(head.get("task_id", "")))
+            state = JournalState(p, str(head.get("run_id", "")), str(head.get("task_id", "")), decoder.log)
             continue
         if state.finished:
             raise JournalError(f"journal {p} record {n} (byte {at}): a record after the end record")
@@ -194,16 +189,16 @@ def load_journal(path: str | Path) -> JournalState:
 
 
 class JournalWriter:
-    """Appends records with fsync. ``create`` starts a journal, ``reopen`` continues an unfinished one."""
+    """Appends records with fsync. ``create`` starts a journal, ``reopen`` continues an unfinished one.
 
-    def __init__(self, path: Path, fh, calls: list[ModelCall] = ()) -> None:
+    ``append`` writes a call the harness gives as an increment (it knows each prompt's origin:
+    O(new tokens), however long the context); ``append_call`` takes a whole call and finds its
+    base among the likely earlier calls (the agent's previous call and the 8 before it)."""
+
+    def __init__(self, path: Path, fh, log: CallLog | None = None) -> None:
         self.path = path
         self._fh = fh
-        self._seqs: list[np.ndarray] = []
-        self._lens: list[int] = []
-        self._last_of_agent: dict[str, int] = {}
-        for call in calls:
-            self._remember(call)
+        self.log = log if log is not None else CallLog()   # what the file holds, for append_call's search
 
     @classmethod
     def create(cls, path: str | Path, run_id: str, task_id: str) -> "JournalWriter":
@@ -224,49 +219,29 @@ class JournalWriter:
         if state.torn_bytes:
             fh.truncate(os.path.getsize(state.path) - state.torn_bytes)
         fh.seek(0, os.SEEK_END)
-        return cls(state.path, fh, state.calls)
+        return cls(state.path, fh, CallLog(state.calls.increments))
 
     def _append(self, kind: int, payload: bytes) -> None:
         with fsio.naming_full_disk(self.path):
             self._fh.write(_frame(kind, payload))
             fsio.sync_file(self._fh)
 
-    def _remember(self, call: ModelCall) -> None:
-        # prompt and output side by side without a copy when they are views of one buffer
-        # (the loader's calls); otherwise kept as the pair and compared piecewise.
-        self._seqs.append((call.prompt, call.output))
-        self._lens.append(call.prompt.size + call.output.size)
-        self._last_of_agent[call.agent] = len(self._seqs) - 1
-
-    def _shared_with(self, k: int, prompt: np.ndarray) -> int:
-        head, tail = self._seqs[k]
-        n = common_prefix(head, prompt)
-        if n == head.size and prompt.size > n:
-            n += common_prefix(tail, prompt[n:])
-        return n
-
-    def _base(self, call: ModelCall) -> tuple[int, int]:
-        """The earlier call sharing the longest prefix with this prompt, among likely ones."""
-        k = len(self._seqs)
-        candidates = dict.fromkeys([self._last_of_agent.get(call.agent, -1), *range(k - 1, k - 1 - _BASE_CANDIDATES, -1)])
-        best, shared = -1, 0
-        for c in sorted((c for c in candidates if c >= 0), key=lambda c: -self._lens[c]):
-            if self._lens[c] <= shared:
-                break  # a shorter sequence cannot share more
-            n = self._shared_with(c, call.prompt)
-            if n > shared:
-                best, shared = c, n
-        return best, shared
+    def append(self, inc: CallIncrement) -> None:
+        """Write one call given as an increment (its base must be an earlier call of this journal)."""
+        k = len(self.log)
+        if not -1 <= inc.base < k or inc.base >= 0 and inc.shared > self.log.seq_len(inc.base):
+            raise ValueError(f"journal {self.path}: call {k} shares {inc.shared} tokens with call {inc.base}, "
+                             f"which the journal does not hold")
+        agent = inc.agent.encode()
+        head = _CALL.pack(inc.base, inc.shared, inc.new.size, inc.output.size, inc.policy_version,
+                          ROLE_CODE[inc.role], len(agent))
+        self._append(CALL, b"".join([head, agent, np.ascontiguousarray(inc.new, "<i4").tobytes(),
+                                     np.ascontiguousarray(inc.output, "<i4").tobytes(),
+                                     np.ascontiguousarray(inc.logprobs, "<f4").tobytes()]))
+        self.log.append(inc)
 
     def append_call(self, call: ModelCall) -> None:
-        base, shared = self._base(call)
-        agent = call.agent.encode()
-        head = _CALL.pack(base, shared, call.prompt.size - shared, call.output.size, call.policy_version,
-                          ROLE_CODE[call.role], len(agent))
-        self._append(CALL, b"".join([head, agent, np.ascontiguousarray(call.prompt[shared:], "<i4").tobytes(),
-                                     np.ascontiguousarray(call.output, "<i4").tobytes(),
-                                     np.ascontiguousarray(call.logprobs, "<f4").tobytes()]))
-        self._remember(call)
+        self.append(self.log.increment_for(call))
 
     def end(self, status: str, reward: float, wall_s: float, passed: list[bool]) -> None:
         if status not in STATUSES:

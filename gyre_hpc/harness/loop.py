@@ -45,7 +45,7 @@ from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
 from gyre_hpc.harness.tokenizer import ChatFormat, truncate_utf8
 from gyre_hpc.harness.tools import ToolError, Workspace
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
-from gyre_hpc.trees.model import ModelCall
+from gyre_hpc.trees.calls import CallIncrement, CallLog
 
 # Short on purpose: a tiny model pays for every prompt token at each call.
 SYSTEM_TEXT = ("One tool call per turn: read, write, list, exec, test, delegate, finish. "
@@ -97,7 +97,7 @@ class RunResult:
     status: str
     reward: float
     wall_s: float
-    calls: list[ModelCall]
+    calls: CallLog                # the run's calls (increments; ``calls[k]`` is call k whole)
     check: CheckReport | None
     retries: int = 0
     compressions: int = 0
@@ -169,10 +169,10 @@ class AgentRun:
                 f"refusing to overwrite files this run did not create")
         self.task.materialize(self.workspace_path)
         self.ws = Workspace(self.workspace_path, self.cfg.command_limits)
-        self.replay = list(state.calls) if state is not None else []
+        self.replay = state.calls if state is not None else CallLog()
         self.writer = JournalWriter.reopen(state) if state is not None else \
             JournalWriter.create(self.journal_path, self.run_id, self.task.task_id)
-        self.calls: list[ModelCall] = []
+        self.calls = CallLog()      # increments: a run holds its unique tokens once (trees.calls)
         self.retries = self.compressions = self.delegations = 0
         self.last_check: CheckReport | None = None
         start = time.monotonic()
@@ -209,12 +209,13 @@ class AgentRun:
         return left
 
     async def _call(self, context: TokenContext, role: str, agent: str) -> Completion:
+        """One model call on ``context``; journaled as an increment of the call its origin names."""
         remaining = self._remaining()
         k = len(self.calls)
-        prompt = context.array  # a view of the shared context buffer, not a copy
+        prompt = context.array  # materialised once, for the client (and a replay's check)
         if k < len(self.replay):
-            rec = self.replay[k]
-            if not np.array_equal(rec.prompt, prompt) or rec.role != role or rec.agent != agent:
+            rec = self.replay.increments[k]
+            if not np.array_equal(self.replay.prompt(k), prompt) or rec.role != role or rec.agent != agent:
                 raise ReplayDiverged(f"call {k}: the replayed prompt differs from the journal")
             comp = Completion(tuple(rec.output.tolist()), tuple(rec.logprobs.tolist()), rec.policy_version)
             self.calls.append(rec)
@@ -224,9 +225,10 @@ class AgentRun:
                                                                agent=agent), remaining)
         except asyncio.TimeoutError:
             raise RunTimeout() from None
-        call = ModelCall(prompt, comp.output, comp.logprobs, role=role, agent=agent,
-                         policy_version=comp.policy_version)
-        self.writer.append_call(call)
+        base, shared = context.origin or (-1, 0)
+        call = CallIncrement(base, shared, context.tail(shared), comp.output, comp.logprobs, role=role, agent=agent,
+                             policy_version=comp.policy_version)
+        self.writer.append(call)
         self.calls.append(call)
         return comp
 
@@ -239,12 +241,17 @@ class AgentRun:
 
     async def _agent(self, agent: str, role: str, intro: list[int], max_turns: int) -> str:
         """Run one agent's turns; returns its finish message (what a parent sees)."""
-        # Contexts share one growing buffer (context.py): a call's prompt is a view, not a copy.
+        # Contexts share their segments (context.py): a branch keeps its prefix by reference, and
+        # each one knows which call's tokens it starts with, so a call is journaled and built
+        # into the tree by its new tokens.
         anchor = context = TokenContext.of(intro + self.gen)
         for _ in range(max_turns):
             if self._needs_compression(context):
                 context = anchor = await self._compress(context, intro, agent)
             comp = await self._call(context, role, agent)
+            k = len(self.calls) - 1
+            if context is anchor:
+                anchor = anchor.as_call(k)     # a retry rewinds to this call's prompt
             action = parse_action(comp.output, self.tokenizer)
             result, finished = await self._execute(action, agent)
             if finished and agent == "main":
@@ -252,20 +259,26 @@ class AgentRun:
                 if report.score < 1.0 and self.retries < self.cfg.max_retries:
                     self.retries += 1
                     context = anchor.prefix(len(anchor) - len(self.gen)).extend(
-                        self.chat.message("user", f"retry {self.retries}: " + report.summary()) + self.gen)
+                        self.chat.message("user", f"retry {self.retries}: " + self._report(report)) + self.gen)
                     continue
                 return result
             if finished:
                 return result
             shown = truncate_utf8(result, self.cfg.tool_output_bytes)
-            context = context.extend(list(comp.output) + self.chat.end_of_turn(comp.output)
-                                     + self.chat.tool_result(shown) + self.gen)
+            context = context.extend(comp.output).as_call(k).extend(
+                self.chat.end_of_turn(comp.output) + self.chat.tool_result(shown) + self.gen)
         return "turn budget spent"
 
-    async def _check(self) -> CheckReport:
+    def _report(self, report: CheckReport) -> str:
+        return report.summary(failures=self.task.report_failures)
+
+    async def _check(self, task: Task | None = None) -> CheckReport:
+        """The task's tests on the workspace now (``task``: the same task with a scoped subset)."""
         limits = replace(self.cfg.check_limits, wall_s=min(self.cfg.check_limits.wall_s, self._remaining()))
-        self.last_check = await asyncio.to_thread(check_workspace, self.task, self.workspace_path, limits)
-        return self.last_check
+        report = await asyncio.to_thread(check_workspace, task or self.task, self.workspace_path, limits)
+        if task is None:
+            self.last_check = report
+        return report
 
     async def _execute(self, action: Action, agent: str) -> tuple[str, bool]:
         """(tool result text, whether the agent finished)."""
@@ -287,7 +300,10 @@ class AgentRun:
                 self._remaining()
                 return result.describe(), False
             if action.tool == "test":
-                return (await self._check()).summary(), False
+                scope = action.text().strip()
+                if not scope:
+                    return self._report(await self._check()), False
+                return self._report(await self._check(self.task.scoped(scope))), False
             if action.tool == "delegate":
                 return await self._delegate(action.text(), agent), False
         except ToolError as exc:

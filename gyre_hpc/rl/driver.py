@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -230,6 +231,10 @@ class RLStepDriver:
         totals = self.fleet.result.totals
         totals.setdefault("migrations", 0)      # in-flight requests moved with their KV cache
         totals.update(self.engines.prompt_totals(asked))
+        # Peak resident memory of this rank (controller, router, harness runs, store writer) and
+        # of the largest training replica, over the launch (bench xlong reads them).
+        totals.update(controller_peak_rss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                      train_peak_rss_kib=self.train.peak_rss_kib)
         cached, recomputed = totals["cached_prompt_tokens"], totals["recomputed_prefill_tokens"]
         print(f"[rl] prompt tokens {asked}: {cached} served from retained session contexts "
               f"({cached / max(asked, 1):.0%}), {asked - cached + recomputed} prefilled, {recomputed} recomputed",

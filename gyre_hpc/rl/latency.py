@@ -34,7 +34,7 @@ class LatencyAgentRun(AgentRun):
     async def _execute(self, action: Action, agent: str) -> tuple[str, bool]:
         result = await super()._execute(action, agent)
         finished = result[1]
-        last_turn = agent == "main" and sum(c.agent == "main" and c.role == "main" for c in self.calls) >= self.task.max_turns
+        last_turn = agent == "main" and self.calls.count("main", "main") >= self.task.max_turns
         if not finished and not last_turn:
             wait = latency_s(self.run_seed, len(self.calls), self.median_s, self.sigma)
             self.added_s += wait

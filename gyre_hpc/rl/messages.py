@@ -65,6 +65,7 @@ class TrainReport:
     seconds: float
     gap: LogprobGap = field(default_factory=LogprobGap)   # trainer vs behaviour logprobs of its targets
     pace: dict | None = None    # a paced replica's record so far (emulated durations, overruns)
+    peak_rss_kib: int = 0       # the replica process's peak resident memory so far (ru_maxrss)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ in a world-wide collective (a flip's ``Comm.Split``).
 """
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 
@@ -92,7 +93,8 @@ class RLRankHandler:
             replicas = train.Get_size() if train is not None else 1
             self.pace.pacer.hold(started, self.pace.micro_batch_s(mb.tokens, replicas))
         return messages.TrainReport(cell_rank.rank, mb.step, mb.mb_id, res.loss, mb.tokens, time.perf_counter() - t0,
-                                    res.gap, self.pace.pacer.record.as_dict() if self.pace is not None else None)
+                                    res.gap, self.pace.pacer.record.as_dict() if self.pace is not None else None,
+                                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
     def finish(self, cell_rank: CellRank, cmd: messages.Finish) -> messages.FinishReport:
         t0 = time.perf_counter()

@@ -89,7 +89,7 @@ class Rollouts:
             result: RunResult = await agent.run(resume=True)
         finally:
             self.calls.forget_run(spec.run_id)     # its contexts are dead: no memory, no migration
-        versions = [c.policy_version for c in result.calls]
+        versions = result.calls.policy_versions
         tree = build_tree(result.calls, run_id=spec.run_id, task_id=spec.task.task_id, reward=result.reward,
                           status=result.status,
                           policy_version=min(versions) if versions else self.fleet.policy_version,

@@ -27,6 +27,7 @@ class TrainQueue:
         self.trained_in_window: dict[int, int] = {}   # rank -> tokens trained since the last engines row
         self._run_tokens = (0, 0)                     # (training tokens, runs) of the groups committed so far
         self._busy_until: dict[int, float] = {}       # rank -> when what it holds is predicted done (monotonic)
+        self.peak_rss_kib = 0                         # the largest peak memory a replica reported
 
     def commit_group(self, st: StepState, outs: list[RunOutcome]) -> None:
         """Admit, append to the store (one commit), cut into micro-batches for the replicas."""
@@ -104,6 +105,7 @@ class TrainQueue:
                 self.speeds.record(rep.rank, rep.tokens, rep.seconds)
                 # What it still holds started now (it queued behind the one just reported).
                 self._busy_until[rep.rank] = time.monotonic() + sum(m.tokens for m in held) / self.speeds.rate(rep.rank)
+                self.peak_rss_kib = max(self.peak_rss_kib, rep.peak_rss_kib)
                 self.trained_in_window[rep.rank] = self.trained_in_window.get(rep.rank, 0) + rep.tokens
                 if rep.pace is not None:
                     st.replica_pace[rep.rank] = rep.pace

@@ -32,16 +32,18 @@ from typing import Sequence
 
 import numpy as np
 
+from gyre_hpc.trees.calls import CallIncrement, CallLog
 from gyre_hpc.trees.model import ROLE_CODE, STATUSES, ModelCall, Tree
 
 
 class _Node:
-    __slots__ = ("tokens", "children", "role")
+    __slots__ = ("tokens", "children", "role", "parent")
 
-    def __init__(self, tokens: np.ndarray, role: int):
+    def __init__(self, tokens: np.ndarray, role: int, parent: "_Node | None" = None):
         self.tokens = tokens
         self.children: dict[int, _Node] = {}
         self.role = role
+        self.parent = parent
 
     def split_head(self, at: int) -> "_Node":
         """Move ``tokens[:at]`` into a new parent node and return it.
@@ -49,9 +51,10 @@ class _Node:
         The new node takes the head, not the tail, so a call whose path already ended
         at this node still ends at this object's last token.
         """
-        head = _Node(self.tokens[:at], self.role)
+        head = _Node(self.tokens[:at], self.role, self.parent)
         self.tokens = self.tokens[at:]
         head.children = {int(self.tokens[0]): self}
+        self.parent = head
         return head
 
 
@@ -71,7 +74,7 @@ def _insert(start: _Node, seq: np.ndarray, role: int) -> _Node:
     while i < seq.size:
         child = node.children.get(int(seq[i]))
         if child is None:
-            child = _Node(seq[i:].copy(), role)
+            child = _Node(seq[i:].copy(), role, node)
             node.children[int(seq[i])] = child
             n = child.tokens.size
         else:
@@ -80,6 +83,31 @@ def _insert(start: _Node, seq: np.ndarray, role: int) -> _Node:
                 child = node.children[int(seq[i])] = child.split_head(n)
         node, i = child, i + n
     return node
+
+
+def _position(end: _Node, excess: int) -> tuple[_Node, int]:
+    """The trie position ``excess`` tokens above the end of node ``end`` on its path, as (node,
+    tokens of it taken): walks up whole nodes, so it costs the nodes between, not the tokens."""
+    node = end
+    while excess >= node.tokens.size and node.parent is not None:
+        excess -= node.tokens.size
+        node = node.parent
+    return node, node.tokens.size - excess
+
+
+def _insert_at(node: _Node, taken: int, seq: np.ndarray, role: int) -> _Node:
+    """``_insert`` starting ``taken`` tokens into ``node`` (a position on a path already in the
+    trie): the rest of the node is compared first, split where ``seq`` leaves it or ends, exactly
+    as a walk from the root along the same prefix would."""
+    rest = node.tokens.size - taken
+    if rest > 0:
+        n = _common_prefix(node.tokens[taken:], seq)
+        if n < rest:
+            head = node.split_head(taken + n)
+            head.parent.children[int(head.tokens[0])] = head
+            node = head
+        seq = seq[n:]
+    return _insert(node, seq, role)
 
 
 def _flatten(root: _Node) -> tuple[list[_Node], np.ndarray, np.ndarray, np.ndarray]:
@@ -117,7 +145,7 @@ def path_tail(parent: np.ndarray, node_start: np.ndarray, node_len: np.ndarray, 
 
 
 def build_tree(
-    calls: Sequence[ModelCall],
+    calls: Sequence[ModelCall] | CallLog,
     *,
     run_id: str = "",
     task_id: str = "",
@@ -126,30 +154,49 @@ def build_tree(
     policy_version: int = 0,
     wall_s: float = 0.0,
 ) -> Tree:
-    """One run's journal -> its Tree (see the module docstring for what is trained)."""
+    """One run's journal -> its Tree (see the module docstring for what is trained).
+
+    A ``CallLog`` (the harness's and the journal's calls) is built from its increments: each
+    call is inserted from the trie position of the prefix it shares with its base call, so the
+    cost follows the run's new tokens, not its prompts (which sum to calls x context). A plain
+    sequence of ``ModelCall`` is inserted whole, prompt by prompt from the root. Both give the
+    same tree, bit for bit (the trie position of a prefix does not depend on how it is reached).
+    """
     if status not in STATUSES:
         raise ValueError(f"build_tree status={status!r}: valid statuses are {', '.join(STATUSES)}")
     if not np.isfinite(reward):
         raise ValueError(f"build_tree reward={reward!r} for run {run_id!r} is not a finite number")
     root = _Node(np.zeros(0, dtype=np.int32), ROLE_CODE["main"])
     ends: list[_Node] = []
-    for c, call in enumerate(calls):
+    steps = calls.increments if isinstance(calls, CallLog) else calls
+    for c, call in enumerate(steps):
+        if not np.all(np.isfinite(call.logprobs)):
+            raise ValueError(f"run {run_id!r} call {c}: logprobs contain NaN or inf")
+        if isinstance(call, CallIncrement):
+            if call.prompt_len == 0:
+                raise ValueError(
+                    f"run {run_id!r} call {c}: empty prompt; a causal LM needs at least one context token (BOS)")
+            seq = np.concatenate([call.new, call.output])
+            if call.base < 0:
+                ends.append(_insert(root, seq, ROLE_CODE[call.role]))
+            else:
+                node, taken = _position(ends[call.base], calls.seq_len(call.base) - call.shared)
+                ends.append(_insert_at(node, taken, seq, ROLE_CODE[call.role]))
+            continue
         if call.prompt.size == 0:
             raise ValueError(
                 f"run {run_id!r} call {c}: empty prompt; a causal LM needs at least one context token (BOS)")
-        if not np.all(np.isfinite(call.logprobs)):
-            raise ValueError(f"run {run_id!r} call {c}: logprobs contain NaN or inf")
         ends.append(_insert(root, np.concatenate([call.prompt, call.output]), ROLE_CODE[call.role]))
 
     order, parent, node_start, node_len = _flatten(root)
     index_of = {id(n): i for i, n in enumerate(order)}
     call_node = np.array([index_of[id(e)] for e in ends], dtype=np.int32)
     # Every call's output is the tail of its own path: one sample per generated token.
-    tok = [path_tail(parent, node_start, node_len, int(call_node[c]), call.output.size) for c, call in enumerate(calls)]
+    tok = [path_tail(parent, node_start, node_len, int(call_node[c]), call.output.size) for c, call in enumerate(steps)]
     return _assemble(
         order, parent, node_start, node_len, call_node,
-        call_role=np.array([ROLE_CODE[c.role] for c in calls], dtype=np.int8), call_agent=[c.agent for c in calls],
-        sample_token=_cat(tok, np.int64), sample_logprob=_cat([c.logprobs for c in calls], np.float32),
+        call_role=np.array([ROLE_CODE[c.role] for c in steps], dtype=np.int8), call_agent=[c.agent for c in steps],
+        sample_token=_cat(tok, np.int64), sample_logprob=_cat([c.logprobs for c in steps], np.float32),
         sample_run=np.zeros(sum(t.size for t in tok), np.int32),
         sample_call=_cat([np.full(t.size, c) for c, t in enumerate(tok)], np.int32),
         run_id=run_id, task_id=task_id, reward=float(reward), status=status,

@@ -39,14 +39,20 @@ class ModelCall:
     policy_version: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt", np.asarray(self.prompt, dtype=np.int32).reshape(-1))
-        object.__setattr__(self, "output", np.asarray(self.output, dtype=np.int32).reshape(-1))
-        object.__setattr__(self, "logprobs", np.asarray(self.logprobs, dtype=np.float32).reshape(-1))
-        if self.role not in ROLE_CODE:
-            raise ValueError(f"ModelCall.role={self.role!r}: valid roles are {', '.join(ROLES)}")
-        if self.logprobs.shape != self.output.shape:
-            raise ValueError(
-                f"ModelCall.logprobs has {self.logprobs.size} values for {self.output.size} output tokens")
+        check_call_record(self, "prompt")
+
+
+def check_call_record(call, tokens: str) -> None:
+    """A frozen call record's arrays as 1-D int32 (``tokens``, ``output``) and float32
+    (``logprobs``), its role known and one logprob per output token (``ModelCall``, and the
+    journal's ``calls.CallIncrement``)."""
+    kind = type(call).__name__
+    for name, dtype in ((tokens, np.int32), ("output", np.int32), ("logprobs", np.float32)):
+        object.__setattr__(call, name, np.asarray(getattr(call, name), dtype=dtype).reshape(-1))
+    if call.role not in ROLE_CODE:
+        raise ValueError(f"{kind}.role={call.role!r}: valid roles are {', '.join(ROLES)}")
+    if call.logprobs.shape != call.output.shape:
+        raise ValueError(f"{kind}.logprobs has {call.logprobs.size} values for {call.output.size} output tokens")
 
 
 @dataclass

@@ -25,13 +25,12 @@ from gyre_hpc.config import ConfigError, RunConfig
 from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
 from gyre_hpc.harness.tasks import load_suite
-from gyre_hpc.harness.tasks.longhorizon import PLAYBOOKS
 from gyre_hpc.harness.tokenizer import ChatFormat
 from gyre_hpc.models.checkpoint import CONFIG_FILE, save_pretrained
 from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.models.tokenizer import embedded_tokenizer
 from gyre_hpc.warmstart.sft import train_sft
-from gyre_hpc.warmstart.trajectories import teacher_runs
+from gyre_hpc.warmstart.trajectories import playbook_of, teacher_runs, teacher_variants
 
 # Bump when the teacher's behaviour or the SFT recipe changes in a way the key cannot see.
 RECIPE_VERSION = 1
@@ -39,10 +38,10 @@ RECIPE_VERSION = 1
 
 def _tasks(cfg: RunConfig):
     tasks = load_suite(cfg.rollout.tasks)
-    missing = [t.task_id for t in tasks if t.task_id not in PLAYBOOKS]
+    missing = [t.task_id for t in tasks if playbook_of(t) is None]
     if missing:
         raise ValueError(f"warmstart: rollout.tasks={cfg.rollout.tasks!r} has tasks without a teacher playbook "
-                         f"({', '.join(missing)}); the teacher knows: {', '.join(PLAYBOOKS)}")
+                         f"({', '.join(missing)}); suites with playbooks: long, xlong")
     return tasks
 
 
@@ -68,13 +67,16 @@ def warmstart_key(cfg: RunConfig) -> str:
     fingerprint = {
         "recipe": RECIPE_VERSION,
         "tasks": [repr(t) for t in tasks],
-        "playbooks": [repr(PLAYBOOKS[t.task_id]) for t in tasks],
+        "playbooks": [repr(playbook_of(t)) for t in tasks],
         "harness": repr(harness),
         "model": dataclasses.asdict(model.config),
         "tokenizer": _tokenizer_fingerprint(),
         "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir", "seed"}),
         "seed": cfg.warmstart.seed,
     }
+    variants = teacher_variants(tasks, cfg.warmstart.runs_per_task)
+    if variants:   # xlong: the teacher runs variants of the tasks, which the tasks' repr does not show
+        fingerprint["variants"] = variants
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.harness.tasks import Task
+from gyre_hpc.harness.repo_teacher import RepoTeacher
+from gyre_hpc.harness.tasks.longhorizon import PLAYBOOKS
+from gyre_hpc.harness.tasks.xlong import XLONG_PLAYBOOKS, repo_variant
 from gyre_hpc.harness.teacher import TeacherClient
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
 from gyre_hpc.trees.builder import build_tree
@@ -45,14 +48,37 @@ def gives_up(g: int, rate: float) -> float:
     return float(int((g + 1) * rate) > int(g * rate))
 
 
+def playbook_of(task: Task):
+    """The teacher's knowledge of ``task`` (a ``long`` or an ``xlong`` playbook), or None."""
+    return PLAYBOOKS.get(task.task_id) or XLONG_PLAYBOOKS.get(task.task_id)
+
+
+def teacher_run(task: Task, g: int, seed: int, tokenizer: ChatTokenizer, give_up: float):
+    """Teacher run ``g`` of ``task``: (the task it runs, its scripted client). A ``long`` task
+    runs itself with the plan follower (``give_up``: see ``teacher.main_plan``); an ``xlong``
+    task runs its variant ``g`` (``tasks.xlong.repo_variant``: other wants, some modules
+    already right) with the reactive teacher, so the warm start learns to read the reports."""
+    if task.task_id in XLONG_PLAYBOOKS:
+        variant, playbook = repo_variant(task.task_id, g)
+        return variant, RepoTeacher(variant, seed=seed, playbook=playbook, tokenizer=tokenizer)
+    return task, TeacherClient(task, seed=seed, tokenizer=tokenizer, give_up=give_up)
+
+
+def teacher_variants(tasks: list[Task], runs_per_task: int) -> list[str]:
+    """What the teacher runs of ``xlong`` tasks work on (their variants, as text): part of the
+    warm start's cache key. Empty for other suites, whose teacher runs the tasks themselves."""
+    return [repr(repo_variant(t.task_id, g)) for t in tasks if t.task_id in XLONG_PLAYBOOKS
+            for g in range(runs_per_task)]
+
+
 async def _run_all(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, root: Path, seed: int,
                    tokenizer: ChatTokenizer, give_up: float) -> list[RunResult]:
     runs = []
     for t in tasks:
         for g in range(runs_per_task):
             rid = f"teacher-{t.task_id}-{g}"
-            client = TeacherClient(t, seed=seed * 7919 + g, tokenizer=tokenizer, give_up=gives_up(g, give_up))
-            runs.append(AgentRun(t, root / rid, client, root / f"{rid}.jsonl", cfg, run_id=rid, tokenizer=tokenizer))
+            task, client = teacher_run(t, g, seed * 7919 + g, tokenizer, gives_up(g, give_up))
+            runs.append(AgentRun(task, root / rid, client, root / f"{rid}.jsonl", cfg, run_id=rid, tokenizer=tokenizer))
     return list(await asyncio.gather(*(r.run(resume=False) for r in runs)))
 
 

@@ -246,3 +246,23 @@ def test_migration_items_put_in_flight_requests_before_session_contexts():
 
     assert migration_items({"r1": 2, "r2": 3}, {"s1": 3}) == [("r1", 2, False), ("r2", 3, False), ("s1", 3, True)]
     assert migration_items({"r1": 2}, None) == [("r1", 2, False)]
+
+
+@pytest.mark.mpi
+def test_a_burst_of_long_prompts_over_mpi_finishes_while_the_engine_sends_outputs_back(model_dir, tmp_path):
+    """Submits past MPI's eager limit meet outputs past it coming back: neither side may block
+    in its send (the engine's are non-blocking), or an xlong step stalls at 4K contexts."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_engine_migration_mpi import mpi_env
+
+    out_path = tmp_path / "result.json"
+    proc = subprocess.run(["mpiexec", "-n", "2", "--oversubscribe", sys.executable,
+                           str(Path(__file__).parent / "mpi_long_prompts_program.py"), str(model_dir), str(out_path),
+                           "24", "3000"], env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out_path.read_text())
+    assert r["finished"] == sorted(f"c{i}" for i in range(24)) and r["prompts_intact"]

@@ -61,31 +61,42 @@ def test_long_run_stores_unique_tokens_once_and_loads_back_exactly(tmp_path):
     unique = build_tree(calls).n_tokens     # the trie holds each distinct prefix position once
     assert expanded > 10 * unique
     assert size < 10 * unique  # ~4 bytes per token + 4 per logprob + small record headers
-    # Loaded calls share their contexts: prompts are views of a few buffers, not copies. (A retry
-    # branches: its context's prefix is copied once, so check that bound on a run without them.)
-    calls = synthetic_journal(SyntheticConfig(n_calls=60, context_limit=6000, retry_prob=0.0), seed=3)
-    _journal(tmp_path / "k.journal", calls)
-    loaded = load_journal(tmp_path / "k.journal").calls
-    buffers = {id(c.prompt.base): c.prompt.base.nbytes for c in loaded}
-    unique, expanded = build_tree(calls).n_tokens, sum(c.prompt.size + c.output.size for c in calls)
-    assert sum(buffers.values()) <= 3 * 4 * unique < 4 * expanded / 5
+    # A loaded run holds its calls as increments (trees.calls): the unique tokens once, retries
+    # included (a retry keeps its prefix by reference, it does not copy it).
+    log = state.calls
+    held = sum(i.new.nbytes + i.output.nbytes for i in log.increments)
+    assert log.unique_tokens <= 2 * unique and held == 4 * log.unique_tokens < 4 * expanded / 5
 
 
-def test_context_views_never_change_and_branches_copy():
+def test_contexts_never_change_and_branches_share_their_prefix():
     root = TokenContext.of([1, 2, 3])
     a = root.extend([4, 5])
     held = a.array
     b = a.extend(range(5))                   # in place, past a's end
     grown = b.extend(range(100))             # in place too, into a doubled buffer
-    c = a.extend([9])                        # a branch: a's buffer already goes on with 0..4
+    c = a.extend([9])                        # a branch: a's segment already goes on with 0..4
     np.testing.assert_array_equal(held, [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(a.array, [1, 2, 3, 4, 5])
     np.testing.assert_array_equal(c.array, [1, 2, 3, 4, 5, 9])
     np.testing.assert_array_equal(grown.array[:11], [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0])
-    assert np.shares_memory(a.array, b.array) and not np.shares_memory(a.array, c.array)
-    assert not held.flags.writeable
     np.testing.assert_array_equal(b.prefix(2).extend([7]).array, [1, 2, 7])
+    np.testing.assert_array_equal(c.tail(3), [4, 5, 9])
+    np.testing.assert_array_equal(c.extend([8]).prefix(4).extend([6]).array, [1, 2, 3, 4, 6])
     with pytest.raises(ValueError, match="prefix"):
         a.prefix(6)
+    # A branch off a long context holds its new tokens only: the prefix stays by reference.
+    long = TokenContext.of(range(100_000))
+    branch = long.prefix(99_000).extend([7, 7])
+    assert branch._seg.data.nbytes < 1024 and len(branch) == 99_002
+    np.testing.assert_array_equal(branch.tail(98_999), [98_999, 7, 7])
+
+
+def test_context_origin_names_the_call_its_prefix_comes_from():
+    ctx = TokenContext.of([1, 2, 3])
+    assert ctx.origin is None
+    seq = ctx.extend([4, 5]).as_call(6)
+    assert seq.origin == (6, 5)
+    assert seq.extend([8, 9]).origin == (6, 5) and seq.prefix(3).extend([0]).origin == (6, 3)
 
 
 @pytest.mark.parametrize("cut", [1, 8, 13, 20, -1])

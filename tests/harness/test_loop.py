@@ -134,7 +134,7 @@ def test_timed_out_run_is_scored_from_its_saved_workspace(tmp_path):
 
 def test_slow_model_call_hits_the_wall_clock_too(tmp_path):
     r = _run(tmp_path, ScriptClient(delay_s=5.0), cfg=HarnessConfig(run_timeout_s=0.5))
-    assert r.status == "timeout" and r.calls == [] and r.reward == 0.0
+    assert r.status == "timeout" and len(r.calls) == 0 and r.reward == 0.0
 
 
 def test_failing_client_gives_a_failed_but_scored_run(tmp_path):
@@ -208,10 +208,12 @@ def test_harness_config_names_a_bad_field():
         HarnessConfig(max_retries=-1)
 
 
-def test_calls_of_one_context_share_its_buffer_instead_of_copying_prompts(tmp_path):
+def test_calls_of_one_context_are_held_as_increments_of_the_call_before(tmp_path):
     r = _run(tmp_path, ScriptClient(), cfg=HarnessConfig(max_new_tokens=24, context_limit=2048))
-    main = [c for c in r.calls if c.role == "main"]
-    # The first main call's context grew into the second's in place: one buffer, two views.
-    assert main[1].prompt.size > main[0].prompt.size
-    assert np.shares_memory(main[0].prompt, main[1].prompt)
-    assert not main[0].prompt.flags.writeable
+    main = [k for k, c in enumerate(r.calls.increments) if c.role == "main"]
+    # The second main call's prompt is the first's prompt + output + tool text: the run holds
+    # only the new tokens, and names the first call and the whole of its sequence as shared.
+    second = r.calls.increments[main[1]]
+    assert (second.base, second.shared) == (main[0], r.calls.seq_len(main[0]))
+    assert second.new.size == r.calls[main[1]].prompt.size - r.calls.seq_len(main[0])
+    np.testing.assert_array_equal(r.calls[main[1]].prompt[:second.shared], r.calls.seq(main[0]))

@@ -31,6 +31,7 @@ def test_quick_bench_prints_figures_with_growth_exponents():
     out = json.loads(result.stdout)  # stderr carries the per-measurement log
     runs = out["runs"]
     assert [r["calls"] for r in runs] == [6, 12] and all(r["store_read_exact"] for r in runs)
+    assert all(r["build_identical"] for r in runs)     # from increments == from whole prompts
     assert all(r["loaded_calls"] == r["calls"] for r in runs)
     assert all(r["json_journal_bytes"] > 2 * r["journal_bytes"] for r in runs)
     series = out["runs_vs_unique_tokens"]["journal_bytes"]

@@ -2,8 +2,10 @@ import numpy as np
 import pytest
 
 from gyre_hpc.trees.builder import build_tree, node_depth, subtree_end_nodes
+from gyre_hpc.trees.calls import CallIncrement, CallLog, common_prefix
 from gyre_hpc.trees.model import ROLE_CODE, ModelCall
 from gyre_hpc.trees.reference import reference_targets
+from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_journal
 
 
 def call(prompt, output, lps=None, **kw):
@@ -159,3 +161,49 @@ def test_coinciding_tokens_on_a_tiny_alphabet(seed, make_coincidences):
         np.testing.assert_array_equal(tree.path(i), np.concatenate([c.prompt, c.output]))
     _assert_samples_match_reference(tree, journal)
     assert np.all(tree.logprobs[~tree.trained] == 0)
+
+
+def _same_tree(a, b):
+    import dataclasses
+
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def _random_increments(journal, rng) -> CallLog:
+    """The journal as increments on arbitrary valid bases: any earlier call, sharing any part of
+    the prefix it has in common with the prompt (positions mid-node, at node ends, at the root)."""
+    log = CallLog()
+    seqs = []
+    for c in journal:
+        base, shared = -1, 0
+        if seqs and rng.random() < 0.9:
+            base = int(rng.integers(len(seqs)))
+            shared = int(rng.integers(0, common_prefix(seqs[base], c.prompt) + 1))
+            base = base if shared else -1
+        log.append(CallIncrement(base, shared, c.prompt[shared:], c.output, c.logprobs, c.role, c.agent,
+                                 c.policy_version))
+        seqs.append(np.concatenate([c.prompt, c.output]))
+    return log
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tree_from_increments_is_bitwise_the_tree_from_whole_prompts(seed, make_journal, make_coincidences):
+    rng = np.random.default_rng(seed)
+    long = synthetic_journal(SyntheticConfig(n_calls=80, retry_prob=0.2, empty_output_prob=0.05), seed=seed)
+    for journal in (make_journal(seed), make_coincidences(seed), long):
+        meta = dict(run_id="r", task_id="t", reward=0.5, status="timeout", policy_version=3, wall_s=1.5)
+        whole = build_tree(journal, **meta)
+        for log in (CallLog.of(journal), _random_increments(journal, rng)):
+            assert [np.array_equal(log[k].prompt, c.prompt) for k, c in enumerate(journal)] == [True] * len(journal)
+            _same_tree(build_tree(log, **meta), whole)
+
+
+def test_increments_with_an_empty_prompt_are_refused_naming_the_call():
+    log = CallLog([CallIncrement(-1, 0, [1], [2], [-0.1]), CallIncrement(-1, 0, [], [2], [-0.1])])
+    with pytest.raises(ValueError, match="call 1: empty prompt"):
+        build_tree(log, run_id="r")

@@ -15,10 +15,14 @@ normalised advantages then push the policy up each check's gradient step by step
 a few tests each, for models that have learnt the tool-call syntax.
 
 ``long``: the long-horizon coding suite (``longhorizon.py``), tens of model calls per run.
+
+``xlong``: repositories of many modules (``xlong.py``), hundreds of model calls per run;
+``xlong-mini`` the same at a few dozen.
 """
 from __future__ import annotations
 
 from gyre_hpc.harness.tasks.longhorizon import LONG
+from gyre_hpc.harness.tasks.xlong import XLONG, XLONG_MINI
 from gyre_hpc.harness.tasks.spec import Task, TaskTest
 
 
@@ -96,4 +100,5 @@ REPO = (
     ),
 )
 
-SUITES: dict[str, tuple[Task, ...]] = {"easy": EASY, "repo": REPO, "builtin": EASY + REPO, "long": LONG}
+SUITES: dict[str, tuple[Task, ...]] = {"easy": EASY, "repo": REPO, "builtin": EASY + REPO, "long": LONG,
+                                        "xlong": XLONG, "xlong-mini": XLONG_MINI}

@@ -300,10 +300,11 @@ class CheckReport:
     def score(self) -> float:
         return sum(self.passed) / len(self.passed)
 
-    def summary(self, max_chars: int = 400) -> str:
-        """What the ``test`` tool shows the model."""
+    def summary(self, max_chars: int = 400, failures: int | None = None) -> str:
+        """What the ``test`` tool shows the model: the count, then the first ``failures`` failing
+        tests (all by default), as ``pytest -x`` stops at the first (``Task.report_failures``)."""
         lines = [f"{sum(self.passed)}/{len(self.passed)} tests passed"]
-        lines += [f"FAIL {n}: {r}" for n, ok, r in zip(self.names, self.passed, self.reasons) if not ok]
+        lines += [f"FAIL {n}: {r}" for n, ok, r in zip(self.names, self.passed, self.reasons) if not ok][:failures]
         return "\n".join(lines)[:max_chars]
 
 

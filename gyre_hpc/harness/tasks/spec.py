@@ -1,10 +1,11 @@
 """What a task is: the text the model sees, the files it starts from, the tests that score it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gyre_hpc.harness.beneath import remove_tree
+from gyre_hpc.harness.tools import ToolError
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Task:
     files: dict[str, str] = field(default_factory=dict)
     answer_file: str = "answer.txt"   # where the default action (unparseable output) appends
     max_turns: int = 12               # main-agent model calls before the run ends (summaries excluded)
+    report_failures: int | None = None   # failing tests a test report lists (None: all)
 
     def __post_init__(self) -> None:
         if not self.tests:
@@ -32,6 +34,15 @@ class Task:
             raise ValueError(f"task {self.task_id!r} has duplicate test names: {names}")
         if self.max_turns < 1:
             raise ValueError(f"task {self.task_id!r}: max_turns={self.max_turns} must be >= 1")
+
+    def scoped(self, scope: str) -> "Task":
+        """The task with only the tests named ``scope`` or ``scope/...`` (``test`` with a scope,
+        as ``pytest p1/`` runs one package's tests); a scope no test matches is a ToolError."""
+        prefix = scope.rstrip("/")
+        tests = tuple(t for t in self.tests if t.name == prefix or t.name.startswith(prefix + "/"))
+        if not tests:
+            raise ToolError(f"no test is named {prefix!r} or {prefix + '/...'!r}")
+        return replace(self, tests=tests)
 
     def materialize(self, workspace: str | Path) -> Path:
         """Reset ``workspace`` to the task's initial files (a replayed run starts from here too)."""

@@ -1,0 +1,272 @@
+"""What ``bench xlong`` measures on a finished xLong step, each in its own process.
+
+Every function here takes the run directory's own artefacts (a run's journal, the step's
+trees, the warm-start checkpoint the step started from) and puts its figures on a queue
+(``bench.scale.in_child`` runs it in a fresh process, so an RSS is that measurement's own).
+
+- ``measure_run``: one run's journal loaded (the memory its calls hold: the harness's
+  increments), its tokens and roles, how it ended, ``build_tree`` from the increments beside
+  ``build_tree`` fed every whole prompt (the two trees must be identical), a store append and
+  ``pack`` of its tree.
+- ``measure_call_costs``: the cost of each of the run's calls through the code a live call
+  runs, replayed from the journal in order: the prompt assembled from its context segments and
+  made a client request (``TokenContext.array``, the ids the router sends), the journal record
+  appended with its fsync (``JournalWriter.append``), and the engine's prefill of it behind the
+  session's retained context (``TorchEngine`` with the step's starting weights, one sampled
+  token). Replayed rather than timed in the live run so a call's figure is its own cost, not
+  the queueing of seven other runs on two shared cores.
+- ``check_loss``: the training step's loss recomputed from the stored trees with the
+  trainer's packing and kernels (forward only) and by the call-by-call float64 reference
+  (``trees.reference``), with the step's rewards and with rewards that make every advantage
+  non-zero (a group whose runs all score alike has advantage 0 and a loss of 0 whatever the
+  trainer computes).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def ended_by(log, status: str, max_turns: int) -> str:
+    """How a run ended: ``finish`` (the main agent's last call finished it), ``turn_budget``
+    (its main turns ran out), ``wall_clock`` (the run timeout), ``failed``."""
+    from gyre_hpc.harness.actions import parse_action
+
+    if status == "timeout":
+        return "wall_clock"
+    if status == "failed":
+        return "failed"
+    mains = [i for i in log.increments if i.agent == "main" and i.role == "main"]
+    if mains and parse_action(mains[-1].output).tool == "finish":
+        return "finish"
+    return "turn_budget" if len(mains) >= max_turns else "other"
+
+
+def measure_run(journal: str, max_turns: int, row_tokens: int, workdir: str, queue) -> None:
+    from gyre_hpc.bench.scale import best_of, load_held
+    from gyre_hpc.trees.builder import build_tree
+    from gyre_hpc.trees.packing import pack
+    from gyre_hpc.trees.store import TreeStore
+
+    state, load_s, held, traced = load_held(journal)
+    log = state.calls
+    incs = log.increments
+    roles = {r: sum(i.role == r for i in incs) for r in ("main", "subagent", "summary")}
+    context = sum(i.prompt_len for i in incs)
+    outputs = sum(int(i.output.size) for i in incs)
+    meta = dict(run_id=state.run_id, task_id=state.task_id, reward=state.reward or 0.0,
+                status=state.status if state.finished else "finished")
+    build_s, tree = best_of(7, lambda: build_tree(log, **meta))
+    calls = list(log)                    # every prompt whole: the baseline's input (not timed)
+    build_whole_s, whole = best_of(7, lambda: build_tree(calls, **meta))
+    identical = all(np.array_equal(getattr(tree, f), getattr(whole, f))
+                    for f in ("tokens", "logprobs", "trained", "node_start", "node_len", "parent", "node_role",
+                              "call_node", "sample_token", "sample_logprob", "sample_call"))
+    del calls, whole
+    t0 = time.perf_counter()
+    with TreeStore.open(Path(workdir) / f"{state.run_id}.zarr", "a") as store:
+        store.append([tree])
+    store_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rows = pack([tree], row_tokens)
+    pack_s = time.perf_counter() - t0
+    queue.put({
+        "run_id": state.run_id, "task_id": state.task_id, "status": state.status, "reward": state.reward,
+        "wall_s": state.wall_s, "ended_by": ended_by(log, state.status, max_turns),
+        "calls": len(log), "roles": roles, "context_tokens": context, "output_tokens": outputs,
+        "journal_tokens": log.unique_tokens, "tree_tokens": tree.n_tokens,
+        "trained_tokens": int(tree.trained.sum()), "sharing_ratio": (context + outputs) / max(tree.n_tokens, 1),
+        "journal_bytes": Path(journal).stat().st_size, "journal_load_s": load_s,
+        "harness_held_mb": traced / 2**20, "harness_rss_mb": held / 2**20,
+        "build_s": build_s, "build_whole_prompts_s": build_whole_s, "build_identical": bool(identical),
+        "store_append_s": store_s, "pack_s": pack_s, "packed_rows": len(rows),
+    })
+
+
+def tail_ratio(costs: list[float], share: float = 0.1) -> dict:
+    """Mean cost of the last ``share`` of the calls, of the first, and their ratio."""
+    n = max(1, math.ceil(share * len(costs)))
+    first, last = float(np.mean(costs[:n])), float(np.mean(costs[-n:]))
+    return {"first_ms": 1e3 * first, "last_ms": 1e3 * last, "last_over_first": last / first if first > 0 else None}
+
+
+def same_context_ratio(costs: list[float], context: list[int], share: float = 0.1) -> float | None:
+    """The last ``share`` of a run's calls against the first at the same context length.
+
+    A call's cost grows with its context (the attention over it, the prompt the client
+    sends), which compressions bound but which is short in every run's first calls, so the
+    plain ratio (``tail_ratio``) charges the window to the run's length. Here the cost is
+    fitted as ``a + b * context + c * k`` over the run's calls (least squares) and the ratio is
+    the fit at the run's mean context, at the mean k of the last share over the first."""
+    n = len(costs)
+    m = max(1, math.ceil(share * n))
+    if n < 3:
+        return None
+    k = np.arange(n, dtype=np.float64)
+    ctx = np.asarray(context, dtype=np.float64)
+    (a, b, c), *_ = np.linalg.lstsq(np.stack([np.ones(n), ctx, k], axis=1), np.asarray(costs, dtype=np.float64),
+                                    rcond=None)
+    first = a + b * ctx.mean() + c * k[:m].mean()
+    last = a + b * ctx.mean() + c * k[-m:].mean()
+    return float(last / first) if first > 0 else None
+
+
+def _deciles(values: list[float]) -> list[float]:
+    parts = np.array_split(np.asarray(values, dtype=np.float64), min(10, len(values)))
+    return [1e3 * float(p.mean()) for p in parts if p.size]
+
+
+def call_cost_summary(costs: dict) -> dict:
+    total = [a + b + c for a, b, c in zip(costs["assemble_s"], costs["append_s"], costs["prefill_s"])]
+    out = {name: tail_ratio(costs[key]) for name, key in
+           (("assemble", "assemble_s"), ("journal_append", "append_s"), ("engine_prefill", "prefill_s"))}
+    out["total"] = tail_ratio(total)
+    out["total"]["same_context_last_over_first"] = same_context_ratio(total, costs["context_tokens"])
+    out["total_ms_by_decile"] = _deciles(total)
+    out["total_s"] = float(sum(total))
+    out["context_tokens_by_decile"] = [float(p.mean()) for p in np.array_split(np.asarray(costs["context_tokens"]),
+                                                                              min(10, len(total)))]
+    out["prefill_tokens"] = int(sum(costs["prefill_tokens"]))
+    return out
+
+
+REPLAYS = 3   # a call costs ~10 ms; on a shared 2-core box a wait for a core is as long
+
+
+def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: str, queue) -> None:
+    """Each call's cost, each part the least of ``REPLAYS`` replays of the whole run (each with
+    a fresh engine and journal, so every replay sees the same retained contexts)."""
+    import torch
+
+    from gyre_hpc.engines.requests import Request, SamplingParams
+    from gyre_hpc.engines.torch_engine import TorchEngine
+    from gyre_hpc.harness.context import TokenContext
+    from gyre_hpc.harness.journal import JournalWriter, load_journal
+    from gyre_hpc.models.checkpoint import load_pretrained
+
+    torch.set_num_threads(1)
+    log = load_journal(journal).calls
+
+    def replay(r: int) -> dict:
+        engine = TorchEngine(load_pretrained(model_dir, dtype=torch.float32), invariant=invariant)
+        writer = JournalWriter.create(Path(workdir) / f"replay{r}.journal", "replay", "replay")
+        seqs: list[TokenContext] = []
+        assemble, append, prefill, prefill_tokens, context = [], [], [], [], []
+        for k, inc in enumerate(log.increments):
+            ctx = (seqs[inc.base].prefix(inc.shared).extend(inc.new) if inc.base >= 0
+                   else TokenContext.of(inc.new)).as_call(k)
+            t0 = time.perf_counter()
+            ids = ctx.array.tolist()                           # the loop: the prompt for the client
+            request = Request(f"c{k}", tuple(int(t) for t in ids), SamplingParams(max_new_tokens=1, seed=k),
+                              session=inc.agent)               # the router: the request it sends
+            new = ctx.tail(inc.shared)                         # the loop: the journal's new tokens
+            t1 = time.perf_counter()
+            writer.append(type(inc)(inc.base, inc.shared, new, inc.output, inc.logprobs, inc.role, inc.agent,
+                                    inc.policy_version))
+            t2 = time.perf_counter()
+            before = engine.counters().prefill_tokens
+            engine.submit(request)
+            while not engine.pop_finished():
+                engine.step()
+            t3 = time.perf_counter()
+            assemble.append(t1 - t0)
+            append.append(t2 - t1)
+            prefill.append(t3 - t2)
+            prefill_tokens.append(engine.counters().prefill_tokens - before)
+            context.append(inc.prompt_len)
+            seqs.append(ctx.extend(inc.output).as_call(k))
+        writer.close()
+        return {"assemble_s": assemble, "append_s": append, "prefill_s": prefill,
+                "prefill_tokens": prefill_tokens, "context_tokens": context}
+
+    runs = [replay(r) for r in range(REPLAYS)]
+    costs = {key: np.min([run[key] for run in runs], axis=0).tolist() for key in ("assemble_s", "append_s", "prefill_s")}
+    out = call_cost_summary({**costs, "prefill_tokens": runs[0]["prefill_tokens"],
+                             "context_tokens": runs[0]["context_tokens"]})
+    out["replays"] = REPLAYS
+    queue.put(out)
+
+
+PROBE_CLIP = 1e9   # no clipping: the probe's loss is -sum(advantage x weight x p(token))
+
+
+def check_loss(model_dir: str, journals: list[str], trees_path: str, train: dict, attention: str, queue) -> None:
+    """The step's loss from the stored trees (the trainer's micro-batches, forward only) and from
+    the float64 reference, twice: ``step`` as the fleet trained it (its rewards, behaviour
+    logprobs and clip), and ``probe``: rewards 0, 1/n, 2/n, ... by run, behaviour logprobs 0 and
+    no clipping. On-policy the ratio is 1 and the step's loss is minus the mean advantage, 0
+    whatever the logprobs; the probe's is a weighted sum of the token probabilities themselves,
+    so it agrees only if every logprob does."""
+    import dataclasses
+
+    import torch
+
+    from gyre_hpc.harness.journal import load_journal
+    from gyre_hpc.models.checkpoint import load_pretrained
+    from gyre_hpc.rl.batches import group_micro_batches
+    from gyre_hpc.trees.attention import tree_attention
+    from gyre_hpc.trees.calls import CallLog
+    from gyre_hpc.trees.loss import StepWeights, group_advantages, invariant_kwargs, run_targets, step_denominator, tree_loss
+    from gyre_hpc.trees.packing import collate
+    from gyre_hpc.trees.reference import reference_loss
+    from gyre_hpc.trees.store import TreeStore
+
+    torch.set_num_threads(1)
+    with TreeStore.open(trees_path) as store:
+        trees = [store.read(i) for i in range(len(store))]
+    model = load_pretrained(model_dir, dtype=torch.float32)
+    shared, averaging = train["shared_targets"], train["averaging"]
+    n_runs = step_denominator([run_targets(t, shared) for t in trees], averaging)
+    variants = {"step": ([t.reward for t in trees], train["clip_eps"], False),
+                "probe": ([k / len(trees) for k in range(len(trees))], PROBE_CLIP, True)}
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(trees):
+        groups.setdefault(t.task_id, []).append(i)
+    t0 = time.perf_counter()
+    trainer = {name: 0.0 for name in variants}
+    cut = []      # the groups in commit order, with their micro-batch counts (train_mb events by id)
+    with torch.no_grad():
+        for task_id, members in groups.items():
+            group = [trees[i] for i in members]
+            mbs = group_micro_batches(group, 1, 0, train["row_tokens"], train["micro_batch_tokens"], shared, averaging,
+                                      train["group_forest"])
+            cut.append({"task_id": task_id, "run_ids": [t.run_id for t in group], "micro_batches": len(mbs),
+                        "tokens": sum(mb.tokens for mb in mbs)})
+            for mb in mbs:
+                batch = collate(list(mb.rows))
+                fn = tree_attention(attention, batch.subtree_end, needs_grad=False, position_ids=batch.position_ids)
+                logits = model(batch.input_ids, batch.position_ids, attention_fn=fn, **invariant_kwargs(fn))
+                for name, (rewards, clip, zero_behaviour) in variants.items():
+                    # The trainer's micro-batch weights (MicroBatch.weights) with these rewards.
+                    advantages = group_advantages([rewards[i] for i in members], [trees[i].task_id for i in members])
+                    weights = StepWeights(advantages, mb.run_tokens, 1, averaging, total_tokens=1)
+                    b = dataclasses.replace(batch, sample_logprobs=torch.zeros_like(batch.sample_logprobs)) \
+                        if zero_behaviour else batch
+                    trainer[name] += float(tree_loss(logits, b, weights, clip)) / n_runs
+    trainer_s = time.perf_counter() - t0
+    logs = [load_journal(j).calls for j in journals]
+    zeroed = [CallLog([dataclasses.replace(i, logprobs=np.zeros_like(i.logprobs)) for i in log.increments])
+              for log in logs]
+    kept = [sorted(set(range(len(log))) - set(t.dropped_calls)) for log, t in zip(logs, trees)]
+    reference, skipped = {}, {}
+    t0 = time.perf_counter()
+    model64 = load_pretrained(model_dir, dtype=torch.float64)
+    with torch.no_grad():
+        for name, (rewards, clip, zero_behaviour) in variants.items():
+            if not np.any(group_advantages(rewards, [t.task_id for t in trees])):
+                # Every term of the loss is an advantage times a weight: 0 whatever the model
+                # says, so the reference is 0 exactly (the trainer's figure is still compared
+                # with it); its float64 pass over every call would take minutes for nothing.
+                reference[name], skipped[name] = 0.0, "every advantage is 0"
+                continue
+            loss, _ = reference_loss(model64, zeroed if zero_behaviour else logs, rewards, [t.task_id for t in trees],
+                                     clip, kept, shared, averaging)
+            reference[name] = float(loss)
+    reference_s = time.perf_counter() - t0
+    queue.put({"trainer_forward": trainer, "reference": reference, "reference_not_computed": skipped,
+               "trainer_forward_s": trainer_s,
+               "reference_s": reference_s, "runs": len(trees), "kept_calls": sum(len(k) for k in kept),
+               "calls": sum(len(log) for log in logs), "groups": cut})

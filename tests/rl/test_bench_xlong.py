@@ -1,0 +1,77 @@
+"""``gyre-hpc bench xlong --small``: one RL step of xlong-mini runs through the real fleet, measured."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gyre_hpc.bench.xlong import bench_config
+from gyre_hpc.bench.xlong_measure import call_cost_summary, same_context_ratio, tail_ratio
+from tests.rl.rl_helpers import REPO, mpi_env
+
+
+def test_tail_ratio_compares_the_last_tenth_of_the_calls_with_the_first():
+    costs = [1.0] * 10 + [5.0] * 80 + [2.0] * 10
+    r = tail_ratio(costs)
+    assert (r["first_ms"], r["last_ms"], r["last_over_first"]) == (1000.0, 2000.0, 2.0)
+    assert tail_ratio([3.0])["last_over_first"] == 1.0
+    s = call_cost_summary({"assemble_s": [0.1] * 20, "append_s": [0.2] * 20, "prefill_s": [0.3] * 19 + [0.6],
+                           "prefill_tokens": [5] * 20, "context_tokens": list(range(20))})
+    assert s["total"]["last_over_first"] == pytest.approx(0.75 / 0.6) and s["prefill_tokens"] == 100
+    assert len(s["total_ms_by_decile"]) == 10 and s["total_s"] == pytest.approx(12.3)
+
+
+def test_same_context_ratio_takes_the_window_out_and_keeps_growth_with_the_run():
+    # Contexts climb within each window of 60 calls (the first 10% of the run is the first half
+    # of one, the last 10% the second half): the plain ratio of a cost that follows the context
+    # alone is > 1, at the same context it is 1.
+    context = [200 + 50 * (k % 60) for k in range(300)]
+    by_context = [1.0 + 0.001 * c for c in context]
+    assert tail_ratio(by_context)["last_over_first"] > 1.3
+    assert same_context_ratio(by_context, context) == pytest.approx(1.0)
+    # A cost that also grows with k is seen: +1.0 over the run at a mean cost of ~3.65.
+    grows = [x + k / 300 for k, x in enumerate(by_context)]
+    mean_ctx = np.mean(context)
+    want = (1 + 0.001 * mean_ctx + np.mean(np.arange(270, 300)) / 300) / (1 + 0.001 * mean_ctx + np.mean(np.arange(30)) / 300)
+    assert same_context_ratio(grows, context) == pytest.approx(want)
+    assert same_context_ratio([1.0, 2.0], [5, 6]) is None
+
+
+def test_bench_config_is_the_example_for_one_step_here(tmp_path):
+    cfg = bench_config(REPO / "examples" / "xlong.yaml", tmp_path / "run", small=True, warmstart_cache=str(tmp_path))
+    assert cfg["train"]["steps"] == 1 and cfg["launcher"] == "local" and cfg["run_dir"] == str(tmp_path / "run")
+    assert cfg["rollout"]["tasks"] == "xlong-mini" and cfg["warmstart"]["cache_dir"] == str(tmp_path)
+    full = bench_config(REPO / "examples" / "xlong.yaml", tmp_path / "run", small=False, warmstart_cache=None)
+    assert full["rollout"]["tasks"] == "xlong" and full["rollout"]["tasks_per_step"] * full["rollout"]["runs_per_task"] >= 8
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_xlong_small_reports_runs_costs_growth_and_the_loss_against_the_reference(tmp_path):
+    gyre = str(Path(sys.executable).with_name("gyre-hpc"))
+    proc = subprocess.run([gyre, "bench", "xlong", "--json", "--small", "--out", str(tmp_path / "out"),
+                           "--warmstart-cache", str(tmp_path / "ws")], capture_output=True, text=True, timeout=1500,
+                          cwd=REPO, env=mpi_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    runs = out["runs"]
+    assert len(runs) == 4 and out["workload"]["suite"] == "xlong-mini"
+    for r in runs:
+        assert r["build_identical"] and r["calls"] >= 5 and len(r["call_cost"]["total_ms_by_decile"]) == 10
+        assert r["context_tokens"] > r["tree_tokens"] > 0 and r["sharing_ratio"] > 1
+        assert r["ended_by"] in ("finish", "turn_budget", "wall_clock", "failed", "other")
+        assert r["call_cost"]["total"]["first_ms"] > 0 and r["call_cost"]["prefill_tokens"] > 0
+    assert sum(out["summary"]["ended_by"].values()) == 4
+    assert out["summary"]["controller_peak_rss_mb"] > 0 and out["summary"]["train_peak_rss_mb"] > 0
+    groups = out["training"]["groups"]
+    assert len(groups) == 2 and all(g["reported"] == g["micro_batches"] > 0 for g in groups)
+    # The loss the fleet trained on, the trainer's packing recomputed, and the float64 reference.
+    tr = out["training"]
+    assert tr["step_loss_abs_diff_vs_trainer_forward"] < 1e-6 and tr["step_abs_diff_vs_reference"] < 1e-6
+    assert tr["probe_rel_diff_vs_reference"] < 1e-5 and abs(tr["reference"]["probe"]) > 1e-3
+    assert np.isfinite(out["vs_calls"]["build_s"]["growth_exponent"])
+    assert out["time_s"]["warm_start_built"] and out["time_s"]["bench"] > out["time_s"]["fleet"] > 0
