@@ -55,7 +55,7 @@ class Move:
         if self.needed is None:
             return f"{self.path} ({self.hours_low:.1f}-{self.hours_high:.1f} h across [{prior.low:g}, {prior.high:g}])"
         where = "inside" if self.inside_prior else "OUTSIDE"
-        return f"{self.path} {self.value:g} -> {self.needed:.3g} ({where} [{prior.low:g}, {prior.high:g}])"
+        return f"{self.path} {self.value:g} -> {self.needed:.4g} ({where} [{prior.low:g}, {prior.high:g}])"
 
 
 def moves_to_reach(w: Workload, priors: tuple[Prior, ...], target_h: float, policy: str = "colocate") -> list[Move]:

@@ -201,7 +201,7 @@ def test_paper_preset_fits_colocate_inside_every_prior_and_the_old_fit_fails_lou
             obj = getattr(obj, part)
         assert p.holds(obj), (p.path, obj)
     f = fit(w, PAPER_FITTED, PAPER_HOURS["colocate"], tol=0.02, others=PAPER_PRIORS)
-    assert f.inside_prior and f.error <= 0.02 and f.value == w.train.tokens_per_s
+    assert f.inside_prior and f.error <= 0.02 and f.value == pytest.approx(w.train.tokens_per_s, rel=1e-12)
     # the old fitted figure, on 8 steps, with the training rate at 2,300 (the prior's ~25% MFU)
     short = scaled(w, **{"steps": 8, "train.tokens_per_s": 2300.0})
     prefill = next(p for p in PAPER_PRIORS if p.path == "engine.prefill_ctx_tokens")
@@ -217,7 +217,7 @@ def test_paper_preset_fits_colocate_inside_every_prior_and_the_old_fit_fails_lou
     with capsys.disabled():
         print(f"\npaper preset: {json.dumps(hours)} speedup {rep['speedup']} tuned {rep['async_tuned']['train_cells']} "
               f"{rep['async_tuned']['total_h']} h, check {rep['paper_async_check']['splits_reproducing']} in {wall:.1f}s")
-    assert hours["colocate"] == pytest.approx(f.hours, rel=1e-9) and abs(hours["colocate"] / PAPER_HOURS["colocate"] - 1) <= 0.02
+    assert hours["colocate"] == pytest.approx(f.hours, rel=1e-4) and abs(hours["colocate"] / PAPER_HOURS["colocate"] - 1) <= 0.02
     for v in rep["policies"].values():
         assert v["runs_finished"] == 48 * w.run.runs_per_step
     assert rep["equal_tokens"]["max_relative_difference"] < 1e-3
