@@ -187,8 +187,8 @@ def test_paper_preset_fits_colocate_inside_every_prior_and_the_old_fit_fails_lou
     """The paper preset fits the training rate (its documented MFU prior) so colocate takes
     the paper's 91.5 h within 2%, every figure inside its prior. The figure fitted until
     2026-12-03 (the prefill's attention cost) cannot reach those hours anywhere in its prior
-    once the training rate is at its prior's centre: that fit fails loudly and names the
-    training rate as what would have to move (docs/sim.md)."""
+    with the training rate at 2,300 tok/s (~25% MFU, its figure before the fit): that fit
+    fails loudly and names the training rate as what would have to move (docs/sim.md)."""
     from gyre_hpc.sim.calibrate import FitError, fit
     from gyre_hpc.sim.compare import PAPER_HOURS
     from gyre_hpc.sim.priors import PAPER_FITTED, PAPER_PRIORS
