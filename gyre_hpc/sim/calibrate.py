@@ -55,7 +55,7 @@ class Move:
         if self.needed is None:
             return f"{self.path} ({self.hours_low:.1f}-{self.hours_high:.1f} h across [{prior.low:g}, {prior.high:g}])"
         where = "inside" if self.inside_prior else "OUTSIDE"
-        return f"{self.path} {self.value:g} -> {self.needed:.3g} ({where} [{prior.low:g}, {prior.high:g}])"
+        return f"{self.path} {self.value:g} -> {self.needed:.4g} ({where} [{prior.low:g}, {prior.high:g}])"
 
 
 def moves_to_reach(w: Workload, priors: tuple[Prior, ...], target_h: float, policy: str = "colocate") -> list[Move]:
@@ -66,7 +66,7 @@ def moves_to_reach(w: Workload, priors: tuple[Prior, ...], target_h: float, poli
     here = hours(w, (policy,))[policy]
     out = []
     for p in priors:
-        now = _value(w, p.path)
+        now = field_value(w, p.path)
         pts = sorted({(p.low, hours(scaled(w, **{p.path: p.low}), (policy,))[policy]), (now, here),
                       (p.high, hours(scaled(w, **{p.path: p.high}), (policy,))[policy])})
         lo_h, hi_h = pts[0][1], pts[-1][1]
@@ -125,7 +125,7 @@ def fit(w: Workload, prior: Prior, target_h: float, policy: str = "colocate", st
             raise FitError(msg)
         return Fit(prior.path, end[0], end[1], target_h, policy, evals, False)
 
-    x0 = math.log(start if start is not None else _value(w, prior.path))
+    x0 = math.log(start if start is not None else field_value(w, prior.path))
     y0 = math.log(h(math.exp(x0))) - math.log(target_h)
     if abs(math.exp(y0) - 1) <= tol:
         return Fit(prior.path, math.exp(x0), target_h * math.exp(y0), target_h, policy, evals,
@@ -150,7 +150,7 @@ def fit(w: Workload, prior: Prior, target_h: float, policy: str = "colocate", st
     return Fit(prior.path, value, target_h * math.exp(y1), target_h, policy, evals, True)
 
 
-def _value(w: Workload, path: str) -> float:
+def field_value(w: Workload, path: str) -> float:
     obj = w
     for part in path.split("."):
         obj = getattr(obj, part)

@@ -758,6 +758,16 @@ class FleetSim:
     # ---------------------------------------------------------------- main loop
     def run(self) -> SimResult:
         t0 = wallclock.perf_counter()
+        self.loop(math.inf)
+        return self.result(t0)
+
+    def finishes_by(self, limit_s: float) -> float | None:
+        """The total time if the run ends by ``limit_s`` (every event identical to ``run``'s),
+        else None, stopped at the first event past it: a search for the fastest
+        configuration need not finish a trial once it is slower than the best so far."""
+        return self.now if self.loop(limit_s) else None
+
+    def loop(self, limit_s: float) -> bool:
         for c in self.cells:
             self.timeline.append(TimelineRow(0.0, c.id, c.role.value, "start", 0, 0.0, 0, c.kind.value))
             self.touch(c)
@@ -779,6 +789,9 @@ class FleetSim:
         n = 0
         while events and not self.done:
             t, _, kind, a, b = heapq.heappop(events)
+            if t > limit_s:
+                self.n_events = n
+                return False
             self.now = t
             n += 1
             # the four kinds that make up nearly all events are dispatched without a lookup
@@ -796,6 +809,9 @@ class FleetSim:
         if not self.done:
             raise SimError(f"policy {self.name!r}: the simulation stalled at t={self.now:.1f}s after "
                            f"{len(self.step_s)} of {self.w.steps} steps (no trainer, or no engine for queued work)")
+        return True
+
+    def result(self, t0: float) -> SimResult:
         for c in self.cells:
             c.acc[c.cat] += self.now - c.since
             c.since = self.now

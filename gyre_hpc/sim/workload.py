@@ -198,12 +198,13 @@ class Workload:
 
 
 # The one figure of the paper preset fitted, to the paper's colocate hours only
-# (gyre_hpc.sim.calibrate.fit with gyre_hpc.sim.priors.PAPER_FITTED); every other figure is a
-# physical prior documented in docs/sim.md. Since engines that a flip opens together share the
-# waiting calls (2026-12-03; before, the first of them took them all and colocate ran most of
-# each batch on one engine), the fit FAILS: colocate takes 85.2 h at the prior's low end and
-# 82.3 h at its high end, not 91.5 h. The preset holds the nearer end, as the sensitivity
-# sweep holds a variant whose fit leaves its prior (docs/sim.md "The calibration fails").
+# (gyre_hpc.sim.calibrate.fit with gyre_hpc.sim.priors.PAPER_FITTED): the training rate per
+# cell, inside its prior (1,500-3,200 tok/s, 16-35% MFU); every other figure is a physical
+# prior documented in docs/sim.md. Until 2026-12-03 the fitted figure was the prefill's
+# attention cost, which moves colocate only 82-85 h across its prior: that fit failed once
+# engines a flip opens shared the waiting calls. The prefill figure is now its derivation's
+# value, 27,000 (MLA's attention FLOPs equal the linear FLOPs there).
+PAPER_TRAIN_TOKENS_PER_S = 1945.0
 PAPER_PREFILL_CTX_TOKENS = 27_000.0
 
 PRESETS: dict[str, Workload] = {
@@ -226,8 +227,8 @@ PRESETS: dict[str, Workload] = {
                            tolerated_slowdown=0.1, gpus=64, gpu_memory_gb=80.0, weights_gb=2400.0,
                            memory_utilization=0.9, kv_bytes_per_token=104e3, gpu_bandwidth_gb_s=3350.0,
                            attention_gpus=8),
-        train=TrainModel(tokens_per_s=2300.0, dp_sync_overhead=0.1, optimizer_step_s=60.0, weight_sync_s=30.0,
-                         params=2.4e12, state_bytes_per_param=12.0, memory_gb=64 * 80.0, memory_utilization=0.9),
+        train=TrainModel(tokens_per_s=PAPER_TRAIN_TOKENS_PER_S, dp_sync_overhead=0.1, optimizer_step_s=60.0,
+                         weight_sync_s=30.0, params=2.4e12, state_bytes_per_param=12.0, memory_gb=64 * 80.0, memory_utilization=0.9),
         fleet=Fleet(cells=32, rollout_to_train_s=8.5, train_to_rollout_s=3.5, async_train_cells=8,
                     async_max_staleness=1),
     ),
