@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -115,12 +117,24 @@ def test_status_lists_our_daemons_and_every_node():
         assert f"{node.name} " in out.stdout
 
 
+def _wait_until_execed(pid: int, program: bytes, timeout_s: float = 10.0) -> None:
+    """Popen returns once exec has closed the child's close-on-exec pipe, which the kernel does
+    before it fills in the new argv: for a moment /proc/<pid>/cmdline reads empty (CI on a loaded
+    host caught that moment, and down rightly refused an unrecognised pid)."""
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != program:
+        assert time.monotonic() < deadline, f"pid {pid} never showed {program!r} in its cmdline"
+        time.sleep(0.01)
+
+
 def test_down_stops_exactly_the_recorded_daemons(tmp_path):
     """Real processes stand in for daemons: down signals the recorded one, never a pid whose
     program changed (a recycled pid), and forgets the cluster."""
     ours = subprocess.Popen(["sleep", "300"])
     stranger = subprocess.Popen(["sleep", "301"])
     try:
+        for p in (ours, stranger):
+            _wait_until_execed(p.pid, b"sleep")
         state = cluster.ClusterState(nodes=1, host="box", daemons=[
             cluster.DaemonRecord("slurmd-c1", ours.pid, ["sleep", "300"]),
             # recorded as slurmctld, but that pid now runs something else
