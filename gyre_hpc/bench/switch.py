@@ -97,25 +97,25 @@ def ranks_main(run_dir: str, out: str, repeats: int = 3) -> int:
     """Every rank: baseline transfer, then the fleet; rank 0 writes the raw figures to ``out``."""
     from mpi4py import MPI
 
-    from gyre_hpc.cells.fleet import run_fleet
+    from gyre_hpc.cells.fleet import guard_world, run_fleet
     from gyre_hpc.cells.plan import core_cell, plan_cells
     from gyre_hpc.config import load_config
     from gyre_hpc.substrate.fleet import substrate_options
 
     world = MPI.COMM_WORLD
-    try:
+
+    def measure():
         cfg = load_config(Path(run_dir) / "config.yaml")
         cells = plan_cells(cfg.cells)
         src = core_cell(cells).leader
         dst = next(c.leader for c in cells if c.leader != src)
         nbytes = int(cfg.model.substrate_state_mb * (1 << 20))
-        raw = _raw_send_seconds(world, nbytes, src, dst, repeats)
-        raw = world.bcast(raw, root=src)
+        raw = world.bcast(_raw_send_seconds(world, nbytes, src, dst, repeats), root=src)
         engines = [c.leader for c in cells if c.leader != src]
         sync = world.bcast(_engine_sync_seconds(world, nbytes, src, engines, 4 * repeats), root=src)
-        result = run_fleet(run_dir, substrate_options(), world)
-    except BaseException:
-        return _abort(world)
+        return nbytes, raw, engines, sync, run_fleet(run_dir, substrate_options(), world)
+
+    nbytes, raw, engines, sync, result = guard_world(measure, "switch bench", world)
     if world.Get_rank() == 0:
         Path(out).write_text(json.dumps({
             "raw_send_s": raw, "raw_bytes": nbytes, "exit_code": result.exit_code,
@@ -126,14 +126,6 @@ def ranks_main(run_dir: str, out: str, repeats: int = 3) -> int:
             "steps": [{"step": s.step, "wall_s": s.wall_s} for s in result.steps]}))
         return result.exit_code
     return int(result)
-
-
-def _abort(world) -> int:
-    import traceback
-    traceback.print_exc()
-    sys.stderr.flush()
-    world.Abort(1)
-    return 1
 
 
 def summarize(raw: dict, state_mb: float, launcher: str) -> dict:

@@ -191,8 +191,8 @@ def run_fleet(run_dir: str | Path, options: FleetOptions,
     return cell_rank.serve()
 
 
-def guard_world(entry, label: str, world: MPI.Intracomm, run_dir: str | Path | None = None):
-    """Run ``entry()``; any exception on any rank ends the whole world.
+def guard_world(entry, label: str, world: MPI.Intracomm = MPI.COMM_WORLD, run_dir: str | Path | None = None):
+    """``entry()``'s result; any exception on any rank ends the whole world.
 
     Why: a rank that dies alone leaves the others blocked in a collective forever, and the
     supervisor would wait on a hung step instead of relaunching it. A write that found the
@@ -214,13 +214,14 @@ def guard_world(entry, label: str, world: MPI.Intracomm, run_dir: str | Path | N
         sys.stderr.flush()
         world.Abort(code)
         raise
-    return out.exit_code if hasattr(out, "exit_code") else int(out)
+    return out
 
 
 def main_guarded(run_dir: str | Path, options: FleetOptions,
                  world: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     """run_fleet, with any exception on any rank ending the whole world."""
-    return guard_world(lambda: run_fleet(run_dir, options, world), f"{options.workload.name} fleet", world, run_dir)
+    out = guard_world(lambda: run_fleet(run_dir, options, world), f"{options.workload.name} fleet", world, run_dir)
+    return out.exit_code if hasattr(out, "exit_code") else int(out)
 
 
 # How long the controller waits, after MPI_Finalize, before it exits with a non-zero code.

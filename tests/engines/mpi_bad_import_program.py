@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -48,9 +48,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # one failed rank must not leave the others waiting: abort the world
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    from gyre_hpc.cells.fleet import guard_world   # imports MPI: under mpiexec only, never in pytest
+
+    guard_world(main, Path(__file__).stem)   # one failed rank must not leave the others waiting

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 import time
-import traceback
+from pathlib import Path
 
 import torch
 
@@ -75,11 +75,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
+    from gyre_hpc.cells.fleet import guard_world   # imports MPI: under mpiexec only, never in pytest
 
-        MPI.COMM_WORLD.Abort(1)
+    guard_world(main, Path(__file__).stem)   # one failed rank must not leave the others waiting

@@ -16,14 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 
-from gyre_hpc.cells.fleet import guard_world, main_guarded, run_fleet  # noqa: E402
+from gyre_hpc.cells.fleet import main_guarded  # noqa: E402
 from gyre_hpc.config import load_config  # noqa: E402
 from gyre_hpc.rl.fleet import rl_options, rl_workload  # noqa: E402
 from gyre_hpc.rl.rank import RLRankHandler  # noqa: E402
 from gyre_hpc.rundir.layout import RunDir  # noqa: E402
 from gyre_hpc.sched.registry import policy_from_config  # noqa: E402
 from gyre_hpc.sched.state import CellKind, ClusterState, Role, RoleChange  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 
 class ReleaseWhileDecoding:
@@ -62,7 +61,7 @@ def stalling_fleet(run_dir: str, reply_timeout_s: float) -> int:
 
     options = rl_options(reply_timeout_s=reply_timeout_s)
     options = dataclasses.replace(options, workload=dataclasses.replace(wl, rank_handler=handler))
-    return guard_world(lambda: run_fleet(run_dir, options), "rl fleet", MPI.COMM_WORLD)
+    return main_guarded(run_dir, options)
 
 
 def main() -> int:

@@ -16,12 +16,10 @@ from gyre_hpc.cells.rank_env import prepare_rank_env
 
 prepare_rank_env()   # before MPI starts, like the real entry point
 
-from mpi4py import MPI  # noqa: E402
-
 from gyre_hpc.cells.controller import FleetResult
 import dataclasses as dc  # noqa: E402
 
-from gyre_hpc.cells.fleet import FleetOptions, exit_rank, main_guarded, run_fleet
+from gyre_hpc.cells.fleet import FleetOptions, exit_rank, guard_world, main_guarded, run_fleet
 from gyre_hpc.substrate.fleet import SUBSTRATE
 from gyre_hpc.substrate.workload import SubstrateWorkload
 from gyre_hpc.sched.state import Role, RoleChange
@@ -93,12 +91,7 @@ options = {
 if mode in ("fail", "exit", "stall"):
     code = exit_rank(main_guarded(run_dir, options))
     sys.exit(code)
-try:
-    out = run_fleet(run_dir, options)
-except BaseException:
-    import traceback
-    traceback.print_exc()
-    MPI.COMM_WORLD.Abort(1)   # a broken rank must end the test run, not hang it
+out = guard_world(lambda: run_fleet(run_dir, options), "fleet probe")   # a broken rank ends the test run
 if isinstance(out, FleetResult):
     with open(out_path, "w") as f:
         json.dump(dataclasses.asdict(out), f, default=str)
