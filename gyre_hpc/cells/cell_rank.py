@@ -78,6 +78,8 @@ class CellRank:
         t0 = time.perf_counter()
         old = with_roles(self.cells, {c: Role(r) for c, r in cmd.before})
         new = with_roles(old, {c: Role(r) for c, r in cmd.changes})
+        if cmd.in_place:
+            return self._join_in_place(cmd, new, t0)
         joining = [c for c in new if c.role is Role.TRAIN and cell_of_rank(old, c.leader).role is not Role.TRAIN]
         self.cells = new
         self.rank_comms.rederive_train(new)
@@ -115,3 +117,22 @@ class CellRank:
         return protocol.FlipReport(rank=self.rank, cell=self.cell.id, seconds=time.perf_counter() - t0,
                                    comm_s=t_comm - t0, transfer_s=t_transfer - t_comm,
                                    bytes_in=received, train_members=members, checksum=checksum)
+
+    def _join_in_place(self, cmd: protocol.Flip, new: tuple[Cell, ...], t0: float) -> protocol.FlipReport:
+        """Join TRAIN with the state this rank holds (``protocol.Flip.in_place``): its
+        train_comm waits for ``meet_train``."""
+        if self.rank_comms.train is not None:
+            raise RuntimeError(f"rank {self.rank}: in-place join while it holds a train_comm")
+        self.cells = new
+        self.workload.zero_grads()
+        checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums else None
+        return protocol.FlipReport(rank=self.rank, cell=self.cell.id, seconds=time.perf_counter() - t0,
+                                   comm_s=0.0, transfer_s=0.0, bytes_in=0, train_members=None, checksum=checksum)
+
+    def meet_train(self, roles: tuple[tuple[int, str], ...]) -> tuple[int, ...] | None:
+        """Every TRAIN rank, together: take the controller's role table and re-derive
+        train_comm (after joins in place). Returns the members as this rank now holds them."""
+        self.cells = with_roles(self.cells, {c: Role(r) for c, r in roles})
+        self.rank_comms.rederive_train(self.cells)
+        train = self.rank_comms.train
+        return tuple(comms.world_ranks_of(train, self.world)) if train is not None else None

@@ -45,6 +45,7 @@ class FlipRecord:
     checksum: str | None = None
     source_checksum: str | None = None
     reason: str = ""
+    in_place: bool = False   # joined without the replicas (``Controller.flip_begin``)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PendingFlip:
     new_cells: tuple[Cell, ...]
     targets: list[int]
     start: float
+    in_place: bool = False
     replies: dict[int, protocol.FlipReport] = field(default_factory=dict)
 
     @property
@@ -138,6 +140,10 @@ class Controller:
     _owed: dict[int, deque] = field(default_factory=dict, init=False)    # rank -> (command, sent at)
     _inbox: deque = field(default_factory=deque, init=False)             # (rank, reply) not yet taken
     _pending_flip: PendingFlip | None = field(default=None, init=False)  # its replies go to it, not the inbox
+    # Ranks that joined TRAIN in place and are not in the replicas' train_comm yet: the next
+    # meeting of every TRAIN rank (a flip they all take part in, or ``train_comm_met``) has
+    # them re-derive it together.
+    train_comm_behind: frozenset[int] = field(default=frozenset(), init=False)
 
     def __post_init__(self) -> None:
         self.result = FleetResult(exit_code=-1, first_step=self.start_step, last_completed=self.start_step - 1)
@@ -274,7 +280,7 @@ class Controller:
         return self.flip_end(pending)
 
     def flip_begin(self, step: int, round_: int, changes: list[RoleChange],
-                   bystanders: frozenset[int] = frozenset()) -> PendingFlip:
+                   bystanders: frozenset[int] = frozenset(), in_place: bool = False) -> PendingFlip:
         """Send the flip and return at once: the ranks answer once they reach it (a replica
         after the micro-batch in hand), and the caller keeps the rest of the fleet working.
 
@@ -282,23 +288,37 @@ class Controller:
         ``bystanders`` (ranks of ROLLOUT cells that stay ROLLOUT) may be left out: the
         communicators are built by their members only, so those engines keep decoding. One
         flip at a time; the roles change at ``flip_end``.
+
+        ``in_place``: every change is ROLLOUT -> TRAIN of a cell whose ranks already hold the
+        core's whole state (the caller knows: they applied the last update with it). Only the
+        joiners take part, so they train at once instead of waiting for every replica's
+        micro-batch in hand; the train_comm is re-derived when the TRAIN ranks next meet
+        (``train_comm_behind``).
         """
         if self._pending_flip is not None:
             raise RuntimeError(f"flip of step {step}: the flip of step {self._pending_flip.step} is still in flight")
         new = with_roles(self.cells, {ch.cell: Role(ch.to) for ch in changes})  # refuses forbidden flips
         flipping = {ch.cell for ch in changes}
-        needed = {r for c in self.cells + new if c.role is Role.TRAIN or c.id in flipping for r in c.ranks}
+        if in_place:
+            wrong = [ch.cell for ch in changes if Role(ch.to) is not Role.TRAIN or self.cell(ch.cell).role is Role.TRAIN]
+            if wrong:
+                raise ValueError(f"flip of cells {sorted(flipping)}: only ROLLOUT -> TRAIN joins go in place, "
+                                 f"not cells {wrong}")
+            needed = {r for c in new if c.id in flipping for r in c.ranks}
+        else:
+            needed = {r for c in self.cells + new if c.role is Role.TRAIN or c.id in flipping for r in c.ranks}
         if needed & set(bystanders):
             raise ValueError(f"flip of cells {sorted(flipping)}: ranks {sorted(needed & set(bystanders))} must take "
                              f"part (TRAIN or flipping), they cannot be bystanders")
-        targets = [r for r in self.cell_ranks if r not in bystanders]
+        targets = [r for r in self.cell_ranks if r in needed] if in_place else \
+            [r for r in self.cell_ranks if r not in bystanders]
         start = time.time()
         self.metrics.append([TimelineRow(time=start, cell=ch.cell, role=Role(ch.to).value, event="flip_start",
                                          step=step, detail=ch.reason[:160]) for ch in changes])
         cmd = protocol.Flip(step=step, changes=tuple((ch.cell, Role(ch.to).value) for ch in changes),
                             checksums=self.verify_weights,
-                            before=tuple((c.id, c.role.value) for c in self.cells))
-        self._pending_flip = PendingFlip(step, round_, list(changes), new, targets, start)
+                            before=tuple((c.id, c.role.value) for c in self.cells), in_place=in_place)
+        self._pending_flip = PendingFlip(step, round_, list(changes), new, targets, start, in_place)
         self.broadcast(cmd, targets)
         return self._pending_flip
 
@@ -318,7 +338,10 @@ class Controller:
         replies = pending.replies
         end = time.time()
         self.cells = pending.new_cells
-        self._check_train_comm(replies)
+        if pending.in_place:
+            self._check_in_place(replies)
+        else:
+            self._check_train_comm({r: rep.train_members for r, rep in replies.items()})
         source = core_cell(self.cells).leader
         records = []
         for ch in pending.changes:
@@ -328,23 +351,41 @@ class Controller:
                 cell=cell.id, to=cell.role.value, step=pending.step, round=pending.round, start=pending.start,
                 end=end, duration_s=max(r.seconds for r in reps), bytes=sum(r.bytes_in for r in reps),
                 comm_s=max(r.comm_s for r in reps), transfer_s=max(r.transfer_s for r in reps),
-                checksum=replies[cell.leader].checksum, source_checksum=replies[source].checksum,
-                reason=ch.reason))
+                checksum=replies[cell.leader].checksum,
+                source_checksum=replies[source].checksum if source in replies else None,
+                reason=ch.reason, in_place=pending.in_place))
         self.metrics.append([TimelineRow(time=end, cell=r.cell, role=r.to, event="flip_end", step=pending.step,
                                          duration_s=r.duration_s, bytes=r.bytes,
-                                         detail=f"round {r.round}") for r in records])
+                                         detail=f"round {r.round}" + (" in place" if r.in_place else ""))
+                             for r in records])
         self.result.flips.extend(records)
         return records
 
-    def _check_train_comm(self, replies: dict[int, protocol.FlipReport]) -> None:
+    def _check_train_comm(self, members: dict[int, tuple[int, ...] | None]) -> None:
         """Every rank's train_comm must hold exactly the TRAIN cells' ranks, core leader first."""
         expected = tuple(train_ranks(self.cells))
-        for rank, rep in replies.items():
+        for rank, held in members.items():
             want = expected if rank in expected else None
-            if rep.train_members != want:
-                raise RuntimeError(f"rank {rank} holds train_comm {rep.train_members}, expected {want} "
+            if held != want:
+                raise RuntimeError(f"rank {rank} holds train_comm {held}, expected {want} "
                                    f"for TRAIN cells {[c.id for c in self.cells if c.role is Role.TRAIN]}")
         self.result.train_comm_checks += 1
+        self.train_comm_behind = frozenset()
+
+    def _check_in_place(self, replies: dict[int, protocol.FlipReport]) -> None:
+        """A joiner in place holds no train_comm until the TRAIN ranks next meet."""
+        held = {rank: rep.train_members for rank, rep in replies.items() if rep.train_members is not None}
+        if held:
+            raise RuntimeError(f"ranks {sorted(held)} joined TRAIN in place but hold train_comm {held}")
+        self.train_comm_behind |= frozenset(replies)
+
+    def train_comm_met(self, members: dict[int, tuple[int, ...]]) -> None:
+        """Every TRAIN rank re-derived train_comm together (a workload's meeting, such as the
+        RL step's allreduce); ``members``: each rank's train_comm as it reports it."""
+        missing = set(train_ranks(self.cells)) - set(members)
+        if missing:
+            raise RuntimeError(f"ranks {sorted(missing)} of TRAIN cells did not re-derive train_comm with the others")
+        self._check_train_comm(members)
 
     # ---- checkpoints, stop, the loop over steps ----------------------------------------
     def save_checkpoint(self, step: int, extra: dict | None = None) -> Path:

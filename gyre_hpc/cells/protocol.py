@@ -27,6 +27,9 @@ class Flip:
     # Every cell's role before the flip. Engines that take no part in a flip keep decoding
     # and miss it; whichever Flip reaches them next brings their role table up to date.
     before: tuple[tuple[int, str], ...] = ()
+    # Joiners that hold the core's state already (they applied the last update): no weights
+    # move, only they take part, and the TRAIN ranks re-derive train_comm when they next meet.
+    in_place: bool = False
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class RLStepDriver:
             t_opt = time.perf_counter()
             version = self.fleet.policy_version + 1
             reps = self.train.optimizer_step(st.step, n_runs, version, ranks)
+            self.flips.updated(frozenset(c.id for c in self.fleet.cells if c.role is Role.TRAIN))
             t_sync = time.perf_counter()
             optimizer_s = t_sync - t_opt
             sync_bytes = self.engines.push_weights(st.step, version)

@@ -8,6 +8,12 @@ step's train_comm; the replicas finish the micro-batch in hand first (the Flip q
 it) and then take micro-batches alongside it. A reclaimed replica (TRAIN -> ROLLOUT) hands in
 what it holds first: its gradients leave with it and the others redo them.
 
+A released cell that applied the step's last update with the replicas (it trained at the
+end of the previous step, which an elastic fleet's cells all do) already holds the core's
+weights and optimizer moments: it joins in place (``Controller.flip_begin``), alone, and takes
+micro-batches at once; the replicas learn of it when they meet for the step's allreduce.
+Otherwise it waits for the replicas' micro-batches in hand and receives the whole state.
+
 The flip is sent and then left to complete (``start``, then ``finish`` once every rank in it
 has answered): waiting for a replica's micro-batch in hand (seconds when paced) must not stop
 the controller from serving the runs, so the step's loop keeps routing calls, streaming tokens
@@ -30,6 +36,13 @@ class Flips:
     def __init__(self, fleet: Controller, pool: EnginePool, queue: TrainQueue, view: ClusterView):
         self.fleet, self.pool, self.queue, self.view = fleet, pool, queue, view
         self.pending: tuple[PendingFlip, dict[int, Role], float] | None = None   # (flip, roles before, t0)
+        # Cells whose ranks hold the core's whole state: they applied the last update together
+        # (``updated``). Empty after a launch, whatever the checkpoint held.
+        self.current: frozenset[int] = frozenset()
+
+    def updated(self, train_cells: frozenset[int]) -> None:
+        """The TRAIN cells that just applied an optimizer step together."""
+        self.current = train_cells
 
     def consult(self, st: StepState) -> None:
         if self.pending is not None:
@@ -62,7 +75,9 @@ class Flips:
         self.pool.pause([cid for cid in releasing if cid in self.pool.serving])
         before = {c.id: c.role for c in self.fleet.cells}
         bystanders = frozenset(r for cid in self.pool.serving for r in self.fleet.cell(cid).ranks)
-        self.pending = (self.fleet.flip_begin(st.step, len(st.flips), changes, bystanders=bystanders), before, t0)
+        in_place = all(Role(ch.to) is Role.TRAIN and ch.cell in self.current for ch in changes)
+        self.pending = (self.fleet.flip_begin(st.step, len(st.flips), changes, bystanders=bystanders,
+                                              in_place=in_place), before, t0)
 
     def finish(self, st: StepState) -> list[FlipRecord]:
         """End the flip in flight if every rank has answered: a leaver's share back to the
@@ -80,6 +95,8 @@ class Flips:
             if before[c.id] is not Role.ROLLOUT and c.role is Role.ROLLOUT:
                 self.pool.router.add_engine(c.id)
         took = time.perf_counter() - t0
+        # A joiner that received the core's state holds it now, as one in place does.
+        self.current |= frozenset(r.cell for r in records if Role(r.to) is Role.TRAIN)
         for r in records:
             self.view.switch_s[Role(r.to)] = took
         st.flips.extend(records)

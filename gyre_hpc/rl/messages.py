@@ -23,6 +23,9 @@ class Serve:
 @dataclass(frozen=True)
 class Train:
     micro_batch: MicroBatchRef      # store indices of the group, not the trees
+    # TRAIN ranks when dealt: a paced replica's data-parallel rate (a joiner in place holds
+    # no train_comm to count them until the step's Finish)
+    replicas: int = 1
 
     @property
     def step(self) -> int:
@@ -37,6 +40,9 @@ class Finish:
     n_runs: int
     policy_version: int     # the version the update produces
     checksums: bool = False
+    # Every cell's role, when cells joined TRAIN in place this step: the TRAIN ranks
+    # re-derive train_comm together before the allreduce (``CellRank.meet_train``).
+    roles: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,3 +80,4 @@ class FinishReport:
     seconds: float
     replicas: float                 # total weight of the allreduce: replicas that took part
     checksum: str | None = None
+    train_members: tuple[int, ...] | None = None   # train_comm re-derived by Finish.roles

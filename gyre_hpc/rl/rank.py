@@ -77,20 +77,18 @@ class RLRankHandler:
             stats = self.weights_channel.push(self.trainer.model_state(), cmd.members)
             return messages.WeightsReport(cell_rank.rank, stats.seconds, stats.bytes)
         if isinstance(cmd, messages.Train):
-            return self.train(cell_rank, cmd.micro_batch)
+            return self.train(cell_rank, cmd.micro_batch, cmd.replicas)
         if isinstance(cmd, messages.Finish):
             return self.finish(cell_rank, cmd)
         raise TypeError(f"rl cell rank {cell_rank.rank}: unknown command {type(cmd).__name__}")
 
-    def train(self, cell_rank: CellRank, mb) -> messages.TrainReport:
+    def train(self, cell_rank: CellRank, mb, replicas: int = 1) -> messages.TrainReport:
         if cell_rank.cell.role is not Role.TRAIN:
             raise RuntimeError(f"rank {cell_rank.rank} got micro-batch {mb.mb_id} of step {mb.step} while ROLLOUT")
         t0 = time.perf_counter()
         started = self.pace.pacer.clock() if self.pace is not None else 0.0
         res = self.trainer.train_micro_batch(self.micro_batches.get(mb))
         if self.pace is not None:
-            train = cell_rank.rank_comms.train
-            replicas = train.Get_size() if train is not None else 1
             self.pace.pacer.hold(started, self.pace.micro_batch_s(mb.tokens, replicas))
         return messages.TrainReport(cell_rank.rank, mb.step, mb.mb_id, res.loss, mb.tokens, time.perf_counter() - t0,
                                     res.gap, self.pace.pacer.record.as_dict() if self.pace is not None else None,
@@ -98,10 +96,11 @@ class RLRankHandler:
 
     def finish(self, cell_rank: CellRank, cmd: messages.Finish) -> messages.FinishReport:
         t0 = time.perf_counter()
+        members = cell_rank.meet_train(cmd.roles) if cmd.roles else None
         # weight 1 per replica: the mean times the replica count is the SUM the loss module asks for.
         stats = gradsync.allreduce_mean(self.trainer.grad_tensors(), cell_rank.rank_comms.train, weight=1.0)
         self.trainer.apply_update(stats.total_weight / max(cmd.n_runs, 1))
         # A TorchEngine decodes with these very tensors: it only learns their version.
         self.adopt(cmd.policy_version)
         checksum = weights.state_checksum(self.trainer.state_dict()) if cmd.checksums else None
-        return messages.FinishReport(cell_rank.rank, time.perf_counter() - t0, stats.total_weight, checksum)
+        return messages.FinishReport(cell_rank.rank, time.perf_counter() - t0, stats.total_weight, checksum, members)

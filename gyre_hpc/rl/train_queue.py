@@ -87,7 +87,7 @@ class TrainQueue:
             free_at[rank] += mb.tokens / self.speeds.rate(rank)
             self._busy_until[rank] = now + free_at[rank]
             st.outstanding.setdefault(rank, []).append(mb)
-            self.fleet.send(rank, messages.Train(mb))    # a MicroBatchRef: indices, not trees
+            self.fleet.send(rank, messages.Train(mb, len(replicas)))    # a MicroBatchRef: indices, not trees
 
     def poll(self, st: StepState, block: bool = False) -> None:
         """Take the replicas' micro-batch reports; ``block``: until none is outstanding."""
@@ -134,10 +134,13 @@ class TrainQueue:
     def optimizer_step(self, step: int, n_runs: int, version: int, ranks: list[int]) -> dict:
         """Allreduce and optimizer step on every TRAIN rank; their replies, checked: a rank that
         reduced over another set of replicas would have averaged the wrong gradients."""
-        self.fleet.broadcast(messages.Finish(step, n_runs, version, self.fleet.verify_weights), ranks)
+        roles = tuple((c.id, c.role.value) for c in self.fleet.cells) if self.fleet.train_comm_behind else ()
+        self.fleet.broadcast(messages.Finish(step, n_runs, version, self.fleet.verify_weights, roles), ranks)
         reps = self.fleet.collect(ranks)
         bad = [r for r, rep in reps.items() if int(round(rep.replicas)) != len(ranks)]
         if bad:
             raise RuntimeError(f"step {step}: ranks {bad} reduced over a train_comm that is not the "
                                f"{len(ranks)} TRAIN ranks {ranks}")
+        if roles:
+            self.fleet.train_comm_met({r: rep.train_members for r, rep in reps.items()})
         return reps

@@ -46,10 +46,10 @@ class ReleaseWhileDecoding:
 class StallingHandler(RLRankHandler):
     """Rank 1 (the core replica) takes its first micro-batch and never answers: alive, silent."""
 
-    def train(self, cell_rank, mb):
+    def train(self, cell_rank, mb, replicas=1):
         if cell_rank.rank == 1:
             time.sleep(300)
-        return super().train(cell_rank, mb)
+        return super().train(cell_rank, mb, replicas)
 
 
 def stalling_fleet(run_dir: str, reply_timeout_s: float) -> int:
