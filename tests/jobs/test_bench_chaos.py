@@ -3,7 +3,8 @@ SIGKILLed, the srun step scancelled, the head SIGKILLed and the job resubmitted)
 RL run; every tree, step row and run row must be there exactly once and the final checkpoint
 load. 24 steps, not 6: on a quiet machine a step takes ~2 s, and 6 steps ended after the
 first fault (a fault waits for its fleet, 1-8 s, then up to 15 s for its moment); 6 passed only
-where CI's load made the steps slower. The full schedule (20 faults, 12 steps) is the benchmark's default, run by hand."""
+where CI's load made the steps slower. The benchmark's default, run by hand, injects more
+faults (20) into a shorter run (12 steps)."""
 from __future__ import annotations
 
 import json

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -117,12 +116,13 @@ def test_status_lists_our_daemons_and_every_node():
         assert f"{node.name} " in out.stdout
 
 
-def _wait_until_execed(pid: int, program: bytes, timeout_s: float = 10.0) -> None:
+def _wait_until_execed(pid: int, program: str, timeout_s: float = 10.0) -> None:
     """Popen returns once exec has closed the child's close-on-exec pipe, which the kernel does
     before it fills in the new argv: for a moment /proc/<pid>/cmdline reads empty (CI on a loaded
-    host caught that moment, and down rightly refused an unrecognised pid)."""
+    host caught that moment, and down rightly refused an unrecognised pid). Waits until ``down``'s
+    own check (``cluster.pid_alive``) recognises the program."""
     deadline = time.monotonic() + timeout_s
-    while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != program:
+    while not cluster.pid_alive(cluster.DaemonRecord("probe", pid, [program])):
         assert time.monotonic() < deadline, f"pid {pid} never showed {program!r} in its cmdline"
         time.sleep(0.01)
 
@@ -134,7 +134,7 @@ def test_down_stops_exactly_the_recorded_daemons(tmp_path):
     stranger = subprocess.Popen(["sleep", "301"])
     try:
         for p in (ours, stranger):
-            _wait_until_execed(p.pid, b"sleep")
+            _wait_until_execed(p.pid, "sleep")
         state = cluster.ClusterState(nodes=1, host="box", daemons=[
             cluster.DaemonRecord("slurmd-c1", ours.pid, ["sleep", "300"]),
             # recorded as slurmctld, but that pid now runs something else
