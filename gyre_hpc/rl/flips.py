@@ -9,10 +9,12 @@ it) and then take micro-batches alongside it. A reclaimed replica (TRAIN -> ROLL
 what it holds first: its gradients leave with it and the others redo them.
 
 A released cell that applied the step's last update with the replicas (it trained at the
-end of the previous step, which an elastic fleet's cells all do) already holds the core's
-weights and optimizer moments: it joins in place (``Controller.flip_begin``), alone, and takes
-micro-batches at once; the replicas learn of it when they meet for the step's allreduce.
-Otherwise it waits for the replicas' micro-batches in hand and receives the whole state.
+end of the previous step, which an elastic fleet's cells all do; in a launch's first step,
+every cell, from the start-up broadcast) already holds the core's weights and optimizer
+moments: it joins in place (``Controller.flip_begin``), alone, and takes micro-batches at
+once; the replicas learn of it when they meet for the step's allreduce. Otherwise (a cell that
+served while an update was applied without it) it waits for the replicas' micro-batches in
+hand and receives the whole state.
 
 The flip is sent and then left to complete (``start``, then ``finish`` once every rank in it
 has answered): waiting for a replica's micro-batch in hand (seconds when paced) must not stop
@@ -36,9 +38,10 @@ class Flips:
     def __init__(self, fleet: Controller, pool: EnginePool, queue: TrainQueue, view: ClusterView):
         self.fleet, self.pool, self.queue, self.view = fleet, pool, queue, view
         self.pending: tuple[PendingFlip, dict[int, Role], float] | None = None   # (flip, roles before, t0)
-        # Cells whose ranks hold the core's whole state: they applied the last update together
-        # (``updated``). Empty after a launch, whatever the checkpoint held.
-        self.current: frozenset[int] = frozenset()
+        # Cells whose ranks hold the core's whole state. At a launch, every cell: the fleet's
+        # start-up broadcast (``cells.fleet``) gave each the core's weights and moments, fresh or
+        # from the checkpoint. Then the cells that applied the last update together (``updated``).
+        self.current: frozenset[int] = frozenset(c.id for c in fleet.cells)
 
     def updated(self, train_cells: frozenset[int]) -> None:
         """The TRAIN cells that just applied an optimizer step together."""
