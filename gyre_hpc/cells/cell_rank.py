@@ -76,8 +76,8 @@ class CellRank:
 
     def flip(self, cmd: protocol.Flip) -> protocol.FlipReport:
         t0 = time.perf_counter()
-        old = with_roles(self.cells, {c: Role(r) for c, r in cmd.before})
-        new = with_roles(old, {c: Role(r) for c, r in cmd.changes})
+        old = _with_table(self.cells, cmd.before)
+        new = _with_table(old, cmd.changes)
         if cmd.in_place:
             return self._join_in_place(cmd, new, t0)
         joining = [c for c in new if c.role is Role.TRAIN and cell_of_rank(old, c.leader).role is not Role.TRAIN]
@@ -110,8 +110,7 @@ class CellRank:
             # Joining or leaving mid-step: this rank's partial gradients are not part of the
             # step any more (the controller hands its micro-batches to the remaining replicas).
             self.workload.zero_grads()
-        train = self.rank_comms.train
-        members = tuple(comms.world_ranks_of(train, self.world)) if train is not None else None
+        members = self.rank_comms.train_members()
         touched = any(c == self.cell.id for c, _ in cmd.changes) or self.rank == source
         checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums and touched else None
         return protocol.FlipReport(rank=self.rank, cell=self.cell.id, seconds=time.perf_counter() - t0,
@@ -132,7 +131,11 @@ class CellRank:
     def meet_train(self, roles: tuple[tuple[int, str], ...]) -> tuple[int, ...] | None:
         """Every TRAIN rank, together: take the controller's role table and re-derive
         train_comm (after joins in place). Returns the members as this rank now holds them."""
-        self.cells = with_roles(self.cells, {c: Role(r) for c, r in roles})
+        self.cells = _with_table(self.cells, roles)
         self.rank_comms.rederive_train(self.cells)
-        train = self.rank_comms.train
-        return tuple(comms.world_ranks_of(train, self.world)) if train is not None else None
+        return self.rank_comms.train_members()
+
+
+def _with_table(cells: tuple[Cell, ...], table: tuple[tuple[int, str], ...]) -> tuple[Cell, ...]:
+    """``cells`` with the roles of a wire table ((cell id, role value) pairs)."""
+    return with_roles(cells, {c: Role(r) for c, r in table})

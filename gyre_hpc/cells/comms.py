@@ -111,3 +111,8 @@ class RankComms:
         free(self.train)
         self.train = create_train_comm(self.world, cells)
 
+    def train_members(self) -> tuple[int, ...] | None:
+        """The world ranks this rank reduces gradients over (None outside TRAIN): what the
+        controller checks against its role table after a flip or a meeting."""
+        return tuple(world_ranks_of(self.train, self.world)) if self.train is not None else None
+

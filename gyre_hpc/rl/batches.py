@@ -14,7 +14,9 @@ keeps each replica's measured training tokens/s and hands the next micro-batch t
 that would finish it earliest given when what it holds is predicted done (list scheduling on
 predicted finish time); a replica never measured is assumed as fast as the fastest one
 measured. Micro-batches are indivisible, so the step's last ones are cut finer
-(``finest_rows``: about a run each) to even out the finish.
+(``finest_rows``: about a run each) to even out the finish, and once no more work will come
+they are dealt largest first (``largest_first``): list scheduling then ends on the smallest
+pieces, so the replicas' finish differs by about the smallest one, not by whichever came last.
 """
 from __future__ import annotations
 
@@ -88,6 +90,12 @@ def pick_replica(replicas: Iterable[int], free_at: Mapping[int, float], speeds: 
     if not replicas:
         raise RuntimeError("no TRAIN replica to hand a micro-batch to")
     return min(replicas, key=lambda r: (free_at.get(r, 0.0) + tokens / speeds.rate(r), r))
+
+
+def largest_first(pending: Sequence["MicroBatchRef"]) -> list["MicroBatchRef"]:
+    """The order to deal a step's last work in: most tokens first, ties in queue order
+    (longest-processing-time-first list scheduling)."""
+    return sorted(pending, key=lambda mb: -mb.tokens)
 
 
 def finest_rows(trees: Sequence[Tree], forest: bool = True) -> int:

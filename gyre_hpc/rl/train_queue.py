@@ -15,7 +15,7 @@ from gyre_hpc.cells.controller import Controller
 from gyre_hpc.cells.plan import Cell, cell_of_rank, train_ranks
 from gyre_hpc.rl import messages
 from gyre_hpc.rl.batches import (ReplicaSpeeds, admit_group, finest_rows, group_micro_batches, group_refs,
-                                 pick_replica)
+                                 largest_first, pick_replica)
 from gyre_hpc.rl.step_state import RunOutcome, StepState
 from gyre_hpc.trees.store import TreeStore
 
@@ -67,9 +67,12 @@ class TrainQueue:
     def deal(self, st: StepState) -> None:
         """Each pending micro-batch to the replica predicted to finish it first (what it holds,
         then this, at its measured speed), at most ``train.micro_batches_in_hand`` each. Once
-        every run of the step is done no more work will come: a micro-batch then waits for the
-        replica that finishes it first rather than go to a slower or busier one that is free."""
+        every run of the step is done no more work will come: what is left is dealt largest
+        first, and a micro-batch waits for the replica that finishes it first rather than go
+        to a slower or busier one that is free."""
         replicas = train_ranks(self.fleet.cells)
+        if st.runs_done:
+            st.pending[:] = largest_first(st.pending)
         in_hand = self.cfg.train.micro_batches_in_hand
         now = time.monotonic()
         free_at = {r: max(self._busy_until.get(r, now) - now, 0.0) for r in replicas}   # seconds from now

@@ -19,7 +19,7 @@ from gyre_hpc.config import ConfigError, build_config
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tasks import Task, TaskTest, load_suite
 from gyre_hpc.models.tiny_lm import build_model
-from gyre_hpc.rl.batches import ReplicaSpeeds, group_micro_batches, pick_replica
+from gyre_hpc.rl.batches import MicroBatchRef, ReplicaSpeeds, group_micro_batches, largest_first, pick_replica
 from gyre_hpc.rl.runs import sample_runs
 from gyre_hpc.rl.fleet import check_rl_config
 from gyre_hpc.jobs.progress import read_progress, render
@@ -104,6 +104,32 @@ def test_dealing_follows_measured_speed():
     assert pick_replica([1, 2], {1: 0.01, 2: 0.0}, speeds, 100) == 1
     with pytest.raises(RuntimeError, match="no TRAIN replica"):
         pick_replica([], {}, speeds, 1)
+
+
+def _finish_spread(units, speeds) -> float:
+    """List scheduling of ``units`` (tokens) in order on replicas 1-3 by predicted finish:
+    the spread of the replicas' finish times."""
+    free_at = {1: 0.0, 2: 0.0, 3: 0.0}
+    for tokens in units:
+        r = pick_replica(free_at, free_at, speeds, tokens)
+        free_at[r] += tokens / speeds.rate(r)
+    return max(free_at.values()) - min(free_at.values())
+
+
+def test_the_last_work_is_dealt_largest_first_so_replicas_end_on_the_smallest_pieces():
+    refs = [MicroBatchRef(1, i, (i,), i, tokens, tokens) for i, tokens in enumerate([100, 300, 100, 200, 300])]
+    assert [r.mb_id for r in largest_first(refs)] == [1, 4, 3, 0, 2]   # ties keep queue order
+    speeds = ReplicaSpeeds()
+    for rank, rate in ((1, 100.0), (2, 100.0), (3, 70.0)):   # replica 3 at speed 0.7
+        speeds.record(rank, int(rate), 1.0)
+    # A step's last work as it arrives: whole micro-batches of earlier groups, then the last
+    # groups cut about a run each (run lengths vary). Dealt in arrival order the replicas end
+    # up to a whole big piece apart; largest first, within the smallest piece's time.
+    units = [350] * 6 + [220, 90, 400, 60, 150, 310, 80, 120]
+    smallest = min(units) / speeds.rate(3)
+    assert _finish_spread(units, speeds) > smallest
+    assert _finish_spread([r.tokens for r in largest_first(
+        [MicroBatchRef(1, i, (i,), 0, t, t) for i, t in enumerate(units)])], speeds) <= smallest
 
 
 def test_the_finest_cut_of_a_group_is_its_deepest_path_and_trains_every_token_once():
