@@ -36,6 +36,25 @@ def test_live_reader_sees_rows_while_writer_open(tmp_path):
     w.close()
 
 
+def test_a_reader_gets_complete_rows_while_an_append_is_half_done(tmp_path):
+    """The writer grows a table a column at a time; a reader between two resizes saw ``time``
+    a row longer than ``event`` (bench chaos died of it: IndexError in its timeline)."""
+    p = tmp_path / "metrics.h5"
+    with MetricsWriter(p) as w:
+        w.add(TimelineRow(time=1.0, cell=0, role="TRAIN", event="start"))
+        grp = w._f["timeline"]
+        for col in ("time", "cell", "role", "event"):      # a second row, begun and not finished
+            grp[col].resize((2,))
+            grp[col][1] = b"flip_start" if col == "event" else (b"TRAIN" if col == "role" else 2)
+            grp[col].flush()
+    tl = read_table(p, "timeline")
+    assert {len(v) for v in tl.values()} == {1}
+    assert list(tl["event"]) == ["start"] and list(tl["time"]) == [1.0]
+    with MetricsWriter(p) as w:                            # the next writer finishes the row
+        w.add(TimelineRow(time=3.0, cell=1, role="ROLLOUT", event="end"))
+    assert {len(v) for v in read_table(p, "timeline").values()} == {2}
+
+
 def test_writer_waits_for_a_reader_holding_the_file_lock(tmp_path):
     """A reader (notebook, inspect, a polling test) that holds HDF5's lock when the head opens
     the file for an event must delay the head, not crash it (seen: BlockingIOError errno 11)."""

@@ -228,9 +228,14 @@ class MetricsWriter:
         self._f = _open_for_write(self.path)
         for table, cols in TABLES.items():
             grp = self._f.require_group(table)
-            rows = grp[cols[0][0]].shape[0] if cols[0][0] in grp else 0
+            present = [col for col, _ in cols if col in grp]
+            rows = grp[present[-1]].shape[0] if present else 0
             for col, dtype in cols:
-                if col not in grp:
+                if col in grp and grp[col].shape[0] > rows:
+                    # A row a killed writer began and never finished (read_table never shows it):
+                    # cut, so this writer's rows line up in every column.
+                    grp[col].resize((rows,))
+                elif col not in grp:
                     # A column newer than the file: its existing rows read as 0 / "".
                     grp.create_dataset(col, shape=(rows,), maxshape=(None,), dtype=dtype, chunks=(1024,),
                                        fillvalue=b"" if str(dtype).startswith("S") else 0)
@@ -286,26 +291,31 @@ class MetricsWriter:
 
 
 def read_table(path: str | Path, table: str) -> dict[str, np.ndarray]:
-    """Read one table as columns; works on a live file (SWMR) and on a closed one."""
+    """Read one table's complete rows as columns; works on a live file (SWMR) and on a closed one.
+
+    The writer grows a table one column at a time, in schema order, so a reader of a live file
+    (or of one whose writer was killed mid-append) can find some columns a row longer than
+    others. The schema's last column is written last: its length, read before any other
+    column, counts the rows every column has finished, and every column is cut to it.
+    """
     if table not in TABLES:
         raise KeyError(f"unknown metrics table {table!r}; valid: {', '.join(TABLES)}")
     with open_for_read(path) as f:
         grp = f[table]
+        # A file written before a column joined the schema lacks it: its rows read as 0 / "".
+        present = [col for col, _ in TABLES[table] if col in grp]
+        last = grp[present[-1]]
+        last.refresh()
+        rows = last.shape[0]
         out = {}
-        rows = None
         for col, dtype in TABLES[table]:
             if col not in grp:
-                # A file written before the column joined the schema: its rows read as 0 / "".
-                if rows is None:
-                    first = grp[TABLES[table][0][0]]
-                    first.refresh()
-                    rows = first.shape[0]
                 out[col] = (np.array([""] * rows, dtype=object) if str(dtype).startswith("S")
                             else np.zeros(rows, dtype=dtype))
                 continue
             ds = grp[col]
             ds.refresh()
-            data = ds[()]
+            data = ds[:rows]
             if data.dtype.kind == "S":
                 data = np.array([x.decode(errors="replace") for x in data], dtype=object)
             out[col] = data
@@ -344,9 +354,8 @@ def recover_unclosed(path: str | Path) -> bool:
     try:
         with MetricsWriter(tmp, attrs=attrs) as writer:
             for table, cols in tables.items():
-                # A writer killed mid-append leaves its last row in some columns only: that row was
-                # never complete; every complete row is kept.
-                n = min(len(cols[c]) for c, _ in TABLES[table])
+                # read_table keeps complete rows only: the row a kill tore mid-append is dropped.
+                n = len(cols[TABLES[table][0][0]])
                 writer.append(row_types[table](**{c: cols[c][i] for c, _ in TABLES[table]}) for i in range(n))
         fsio.replace_file(tmp, path)
     except BaseException as exc:
