@@ -122,6 +122,7 @@ class CellRank:
         train_comm waits for ``meet_train``."""
         if self.rank_comms.train is not None:
             raise RuntimeError(f"rank {self.rank}: in-place join while it holds a train_comm")
+        check_in_place(cell_of_rank(new, self.rank).id, self.rank, self.workload.applied_updates(), cmd.updates)
         self.cells = new
         self.workload.zero_grads()
         checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums else None
@@ -134,6 +135,17 @@ class CellRank:
         self.cells = _with_table(self.cells, roles)
         self.rank_comms.rederive_train(self.cells)
         return self.rank_comms.train_members()
+
+
+def check_in_place(cell: int, rank: int, held: int, expected: int) -> None:
+    """Refuse a join in place on a state the core has moved past: the controller chose it
+    from its bookkeeping of who applied the last update, and a wrong entry would average this
+    rank's gradients on stale weights into the step with no error anywhere. Failing here stops
+    the fleet, whose relaunch resumes from the last checkpoint (``expected`` -1: unchecked)."""
+    if expected >= 0 and held != expected:
+        raise RuntimeError(f"cell {cell} rank {rank}: told to join TRAIN in place with the core's state after "
+                           f"{expected} optimizer updates, but it holds {held}: the controller's record of "
+                           f"which cells applied the last update is wrong")
 
 
 def _with_table(cells: tuple[Cell, ...], table: tuple[tuple[int, str], ...]) -> tuple[Cell, ...]:

@@ -317,7 +317,8 @@ class Controller:
                                          step=step, detail=ch.reason[:160]) for ch in changes])
         cmd = protocol.Flip(step=step, changes=tuple((ch.cell, Role(ch.to).value) for ch in changes),
                             checksums=self.verify_weights,
-                            before=tuple((c.id, c.role.value) for c in self.cells), in_place=in_place)
+                            before=tuple((c.id, c.role.value) for c in self.cells), in_place=in_place,
+                            updates=self.policy_version if in_place else -1)
         self._pending_flip = PendingFlip(step, round_, list(changes), new, targets, start, in_place)
         self.broadcast(cmd, targets)
         return self._pending_flip

@@ -30,6 +30,10 @@ class Flip:
     # Joiners that hold the core's state already (they applied the last update): no weights
     # move, only they take part, and the TRAIN ranks re-derive train_comm when they next meet.
     in_place: bool = False
+    # The optimizer updates the core's state has applied (the controller's policy version):
+    # an in-place joiner must hold exactly as many, or it would train on a state the core left
+    # behind (its gradients averaged into the step without an error). -1: not checked.
+    updates: int = -1
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,10 @@ class RankState(Protocol):
     def zero_grads(self) -> None:
         """Drop the gradients accumulated so far (a rank joining or leaving TRAIN mid-step)."""
 
+    def applied_updates(self) -> int:
+        """Optimizer updates the state holds (applied here, received with it, or loaded): a
+        join in place checks it against the core's before training on it."""
+
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
         """Write the state a checkpoint holds into ``directory`` (the core leader only)."""
 

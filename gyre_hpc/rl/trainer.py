@@ -137,6 +137,10 @@ class RLTrainer:
         for p in self.params:
             p.grad = torch.zeros_like(p)
 
+    def applied_updates(self) -> int:
+        """AdamW's step count: it travels with the state (flips, checkpoints)."""
+        return int(self.opt.state[self.params[0]]["step"].item()) if self.params else 0
+
     def apply_update(self, scale: float) -> None:
         """Optimizer step on the (summed) gradients times ``scale`` (1 / runs in the step)."""
         with torch.no_grad():

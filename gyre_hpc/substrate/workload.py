@@ -89,6 +89,9 @@ class SubstrateWorkload:
             p.grad = torch.zeros_like(p)
         self.micro_batches = 0      # the gradients and their count are one state
 
+    def applied_updates(self) -> int:
+        return int(self.model.updates.item())
+
     def apply_update(self, step: int) -> None:
         with torch.no_grad():
             for p in self.model.parameters():

@@ -39,7 +39,7 @@ def test_update_moves_the_weights_and_counts_itself():
     w.train_micro_batch(1, 0)
     w.apply_update(1)
     assert state_checksum(w.state_dict()) != before
-    assert int(w.state_dict()["updates"]) == 1
+    assert int(w.state_dict()["updates"]) == 1 and w.applied_updates() == 1
     assert all(float(g.abs().sum()) == 0 for g in w.grad_tensors())   # grads cleared for the next step
 
 

@@ -156,10 +156,12 @@ def test_trainer_state_moves_weights_and_optimizer_moments(tmp_path):
     names = a.state_dict().keys()
     assert any(n.startswith("optim.") and n.endswith("exp_avg_sq") for n in names)
     assert set(names) == set(b.state_dict())
+    assert (a.applied_updates(), b.applied_updates()) == (1, 0)
     # What a flip does: receive the core's dict in place. Then both apply identical updates.
     with torch.no_grad():
         for name, t in b.state_dict().items():
             t.copy_(a.state_dict()[name])
+    assert b.applied_updates() == 1      # the count travels with the state (a join in place checks it)
     for tr in (a, b):
         tr.train_micro_batch(mb)
         tr.apply_update(1.0 / 3)
@@ -179,6 +181,7 @@ def test_checkpoint_is_hf_format_plus_optimizer_and_round_trips(tmp_path):
         "tokenizer_config.json", OPTIMIZER_FILE}
     b = RLTrainer(cfg.model_copy(update={"seed": 9}))
     b.load(tmp_path / "ck")
+    assert b.applied_updates() == 1
     for name, t in a.state_dict().items():
         assert torch.equal(t, b.state_dict()[name]), name
     (tmp_path / "ck" / OPTIMIZER_FILE).unlink()
