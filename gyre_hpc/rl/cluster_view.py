@@ -19,6 +19,7 @@ from gyre_hpc.rl.router_client import RoutedCalls
 from gyre_hpc.rl.step_state import StepState
 from gyre_hpc.rl.train_queue import TrainQueue
 from gyre_hpc.rundir.metrics import EngineRow
+from gyre_hpc.sched.staleness import next_batch_waits, staleness_bound
 from gyre_hpc.sched.state import CellState, ClusterState, Role
 from gyre_hpc.sched.tail import DEFAULT_FRACTION as TAIL_FRACTION, RunProgress, tail_runs
 
@@ -58,15 +59,22 @@ class ClusterView:
         for e in router.engines:
             self._inflight_integral[e] = self._inflight_integral.get(e, 0.0) + dt * len(router.inflight(e))
 
-    def state(self, st: StepState) -> ClusterState:
+    def state(self, st: StepState, ahead: StepState | None = None) -> ClusterState:
+        """The view while step ``st`` is the one training, with ``ahead`` the next step's runs
+        rolling out ahead of it (async). Open runs are both steps' (the engines serve both),
+        as the simulator counts them; the training work expected is ``st``'s."""
         self._sample_cells(st)
         router, speeds, cells = self.pool.router, self.queue.speeds, self.fleet.cells
         inflight = router.inflight()
         queued = len(self.calls.queue)
         # Runs not started yet (their tasks have not run) count as open, youngest of all.
-        tail = tail_runs({s.run_id: RunProgress(st.run_started.get(s.run_id, math.inf),
-                                                st.run_calls[s.run_id].calls if s.run_id in st.run_calls else 0)
-                          for s in st.specs if s.run_id not in st.outcomes}, TAIL_FRACTION)
+        steps = [st] if ahead is None else [st, ahead]
+        tail = tail_runs({s.run_id: RunProgress(x.run_started.get(s.run_id, math.inf),
+                                                x.run_calls[s.run_id].calls if s.run_id in x.run_calls else 0)
+                          for x in steps for s in x.specs if s.run_id not in x.outcomes}, TAIL_FRACTION)
+        started = all(s.run_id in x.run_started or s.run_id in x.outcomes for x in steps for s in x.specs)
+        waits = next_batch_waits(started, steps[-1].step, self.fleet.policy_version,
+                                 staleness_bound(self.fleet.policy), self.fleet.cfg.train.steps)
         serving = [c for c in cells if c.role is Role.ROLLOUT and c.id in router.engines]
         # Cells that never trained (or never served) plan with what the others measured:
         # the cells are alike, so the first micro-batch (engine window) is the prior.
@@ -85,7 +93,8 @@ class ClusterView:
             rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0) or engine_prior,
             train_tokens_per_s=sum(speeds.rates.get(r, 0.0) for r in c.ranks) or train_prior * len(c.ranks),
             tail_requests=tail_on(c.id) if c.role is Role.ROLLOUT else 0) for c in cells)
-        return ClusterState(time=time.time(), step=st.step, cells=cell_states, unfinished_runs=st.unfinished,
+        return ClusterState(time=time.time(), step=st.step, cells=cell_states,
+                            unfinished_runs=sum(x.unfinished for x in steps), next_batch_waits=waits,
                             queued_requests=queued, inflight_requests=len(inflight),
                             tokens_inflight=sum(router.outstanding_tokens(e) for e in router.engines),
                             train_backlog_tokens=st.backlog_tokens(),

@@ -98,7 +98,7 @@ class RLStepDriver:
                 # A flip in flight waits on the replicas' micro-batches in hand; the runs go on.
                 events += len(self.flips.finish(st))
             elif now >= next_consult or arrived:
-                self.flips.consult(st)
+                self.flips.consult(st, self._next[0] if self._next else None)
                 next_consult = now + self.cfg.scheduler.interval_s
             if not self.flips.pending:
                 self.train.deal(st)

@@ -47,7 +47,9 @@ class Flips:
         """The TRAIN cells that just applied an optimizer step together."""
         self.current = train_cells
 
-    def consult(self, st: StepState) -> None:
+    def consult(self, st: StepState, ahead: StepState | None = None) -> None:
+        """Ask the policy on the live view (``ahead``: the next step rolling out ahead, async)
+        and start the flip it decides."""
         if self.pending is not None:
             return          # one flip at a time: the policy sees the fleet once this one has ended
         if self.view.plans_from_rates and st.backlog_tokens() and not any(r > 0 for r in self.queue.speeds.rates.values()):
@@ -55,11 +57,12 @@ class Flips:
             # plans from training rates (elastic) would rest on a made-up one. The first report
             # comes within one micro-batch; from then on every cell plans with the measured rate.
             return
-        changes = self.fleet.decide(self.view.state(st))
+        changes = self.fleet.decide(self.view.state(st, ahead))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.fleet.cells
                          if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
-        if leaving and not engines_after and (st.unfinished or self.pool.router.unfinished()):
+        if leaving and not engines_after and (st.unfinished or (ahead is not None and ahead.unfinished)
+                                              or self.pool.router.unfinished()):
             # The last engine stays while any run may still call the model.
             changes = [ch for ch in changes if Role(ch.to) is not Role.TRAIN]
         if changes:

@@ -20,6 +20,19 @@ runs and the KV they hold within ``tail_slowdown`` of the step every non-core ce
 take (colocate's deployment): a step reads every resident sequence's KV, so long contexts
 make a shared engine slower than its request count says.
 
+Off-policy with a train floor (``holding_split``) the floor's static split is the plan, and
+elastic adds what the split leaves idle. Such a split is sized for throughput, so its engines
+run far above the on-policy occupancy by design and the on-policy sizing would never release
+one. Its own rule: once every run that can start before the running step's update has started
+(``ClusterState.next_batch_waits``), the open runs are all the engines will serve until then,
+and they need only the engines that admit them all at once (``max_requests_per_engine`` each,
+the device's admission limit, and their KV at ``fill``), the split's peak occupancy or less;
+the others train the running step, if that pays, and return, all at once, when a batch may
+start (or a call waits for an engine). The runs in a step's tail then decode on fewer engines,
+more slowly; they are trained in the next step, which starts on the runs already done. A cell
+that trained the last update holds the core's state and joins in place, so from the second
+step on such a release costs a message, not a state transfer.
+
 Where releasing would not pay, elastic holds what colocate holds: every cell serves a
 batch that starts with nothing to train, and once a batch is over the engines left serving
 train too when cells were released during it, so the next batch starts on every cell at
@@ -67,6 +80,11 @@ class ElasticParams:
     # (``bench switch``, the first micro-batch, or the simulator's workload); the default
     # is the order of one 8-GPU node training a ~7B model on long sequences.
     default_train_tokens_per_s: float = 2000.0
+    # Requests one engine admits at once (the device's ``max_seqs``): how a split held
+    # off-policy sizes the engines its open runs need once no run can start before the
+    # update (see the module docstring). Sized from the device model (``device_sized``).
+    # 0: unknown, and such a split releases nothing while a run is open.
+    max_requests_per_engine: int = 0
     # Versions a rollout may lag the trainer; elastic is on-policy by default.
     max_staleness: int = 0
     # Cells that train whatever the rollout wants (core included): a static split elastic
@@ -106,6 +124,9 @@ class ElasticParams:
             raise ValueError(f"elastic reclaim_after_s={self.reclaim_after_s}: must be >= 0")
         if self.default_train_tokens_per_s <= 0:
             raise ValueError(f"elastic default_train_tokens_per_s={self.default_train_tokens_per_s}: must be > 0")
+        if self.max_requests_per_engine < 0:
+            raise ValueError(f"elastic max_requests_per_engine={self.max_requests_per_engine}: must be >= 0 "
+                             f"(0 = unknown)")
         if self.max_staleness < 0:
             raise ValueError(f"elastic max_staleness={self.max_staleness}: must be >= 0")
         if self.train_floor_cells < 0:
@@ -136,6 +157,7 @@ def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> Elast
     """
     h, single = engine.half_saturation_seqs, engine.single_seq_tokens_per_s
     sizing = {"target_requests_per_engine": engine.target_seqs(), "kv_tokens_per_engine": engine.kv_capacity_tokens(),
+              "max_requests_per_engine": engine.max_seqs,
               "default_train_tokens_per_s": train.tokens_per_s,
               # EngineModel.step_s(n, K) = (h + n) / ((1 + h) single) + K kv_read_s_per_token
               "step_fixed_s": h / ((1.0 + h) * single), "step_per_seq_s": 1.0 / ((1.0 + h) * single),
@@ -194,8 +216,8 @@ class ElasticPolicy:
     @property
     def holding_split(self) -> bool:
         """Off-policy with a floor: the step is throughput-bound and the floor's split is
-        the plan; cells beyond it train only while no run is open and all return at once
-        when work waits."""
+        the plan; cells beyond it train only while no new run can start (the open runs fit
+        the engines that stay) and all return at once when a batch may start."""
         return bool(self.params.train_floor_cells) and self.params.max_staleness >= 1
 
     def _to_floor(self, state: ClusterState) -> list[RoleChange]:
@@ -227,9 +249,13 @@ class ElasticPolicy:
         if not candidates:
             return []
         if self.holding_split:
-            # Work to roll out and cells trained beyond the split: the split's engines come
+            if state.next_batch_waits and state.queued_requests == 0:
+                return []   # no run can start before the update, and every call found an engine
+            # A batch may start (or calls wait for an engine): the split's engines come
             # back, all of them, at once (a batch on fewer engines than the split is slower).
-            why = (f"{demand} requests and runs waiting: the {len(candidates)} cells released beyond the "
+            why = (f"{demand} requests and runs waiting"
+                   + ("" if state.next_batch_waits else ", a batch may start")
+                   + f": the {len(candidates)} cells released beyond the "
                    f"train floor of {p.train_floor_cells} return to the split")
             return [RoleChange(c.cell, Role.ROLLOUT, why) for c in candidates]
         kv = kv_capacity(candidates[0], p.kv_tokens_per_engine)
@@ -300,10 +326,11 @@ class ElasticPolicy:
         p = self.params
         if state.queued_requests > 0:
             return []
-        if self.holding_split and state.unfinished_runs > 0:
-            # Holding a throughput-sized split off-policy: every engine of it is needed while
-            # any run is open (runs in tool calls return to them, and the next batch starts
-            # on them as soon as the bound lets it); only an idle fleet's engines may train.
+        if self.holding_split and not state.next_batch_waits:
+            # Holding a throughput-sized split off-policy: while a batch may still start, every
+            # engine of the split is needed (the next batch starts on them as soon as the bound
+            # lets it), and a cell released now would be called back before it trained. Once no
+            # run can start before the update, the open runs are sized below.
             return []
         demand = rollout_demand(state)
         serving = serving_engines(state)
@@ -316,20 +343,10 @@ class ElasticPolicy:
             why = (f"every run of the batch is done, {state.train_backlog_tokens} tok to train: the last "
                    f"{len(serving)} engines train too (the next batch starts on every cell at once)")
             return [RoleChange(c.cell, Role.TRAIN, why) for c in flippable(state, Role.ROLLOUT)]
-        # Never a cell whose engine holds tail requests: migrating them slows the slowest run.
-        # Fewest in-flight requests first (least KV to migrate), then highest id.
-        candidates = sorted((c for c in flippable(state, Role.ROLLOUT) if c.tail_requests == 0),
-                            key=lambda c: (c.inflight_requests, -c.cell))
-        remaining = list(serving)
-        picked: list[CellState] = []
-        for c in candidates:
-            after = [x for x in remaining if x.cell != c.cell]
-            if state.unfinished_runs > 0 and not after:
-                break  # the last engine stays while any run can still call the model
-            if state.unfinished_runs > 0 and not self._fits(state, after, demand):
-                break
-            picked.append(c)
-            remaining = after
+        if self.holding_split:
+            picked, remaining = self._admitting(state, serving)
+        else:
+            picked, remaining = self._occupancy_sized(state, serving, demand)
         if not picked:
             return []
         # Worth it? The training work of this batch: the backlog waiting now plus what the
@@ -355,6 +372,9 @@ class ElasticPolicy:
         n = len(remaining)
         if state.unfinished_runs == 0:
             fits = "every run of the batch is done"
+        elif self.holding_split:
+            fits = (f"no run starts before the update: {state.unfinished_runs} open runs fit {n} engines "
+                    f"(<= {p.max_requests_per_engine} each)")
         else:
             fits = (f"demand {demand} fits {n} engines (<= {p.fill:g} x {p.target_requests_per_engine}"
                     + (f", tail {state.tail_runs} at <= {self.light} each" if state.tail_runs else "") + ")")
@@ -363,6 +383,43 @@ class ElasticPolicy:
         why = (f"{fits}; {what} trains in {_secs(joined_s)} not {_secs(alone_s)} "
                f"(switch {state.rollout_to_train_s:.2f}+{state.train_to_rollout_s:.2f}s)")
         return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]
+
+    def _occupancy_sized(self, state: ClusterState, serving: list[CellState],
+                         demand: int) -> tuple[list[CellState], list[CellState]]:
+        """On-policy: engines to release while the demand fits those that stay at the target
+        occupancy (``_fits``); returns (released, staying)."""
+        # Never a cell whose engine holds tail requests: migrating them slows the slowest run.
+        # Fewest in-flight requests first (least KV to migrate), then highest id.
+        candidates = sorted((c for c in flippable(state, Role.ROLLOUT) if c.tail_requests == 0),
+                            key=lambda c: (c.inflight_requests, -c.cell))
+        remaining = list(serving)
+        picked: list[CellState] = []
+        for c in candidates:
+            after = [x for x in remaining if x.cell != c.cell]
+            if state.unfinished_runs > 0 and not after:
+                break  # the last engine stays while any run can still call the model
+            if state.unfinished_runs > 0 and not self._fits(state, after, demand):
+                break
+            picked.append(c)
+            remaining = after
+        return picked, remaining
+
+    def _admitting(self, state: ClusterState, serving: list[CellState]) -> tuple[list[CellState], list[CellState]]:
+        """A split held off-policy, no run to start before the update: the engines that admit
+        every open run at once (``max_requests_per_engine`` each, their KV at ``fill``) stay,
+        the others may go; returns (released, staying)."""
+        p = self.params
+        runs = state.unfinished_runs
+        if not state.next_batch_waits or (runs and not p.max_requests_per_engine):
+            return [], list(serving)
+        keep = math.ceil(runs / p.max_requests_per_engine) if runs else 0
+        caps = [kv_capacity(c, p.kv_tokens_per_engine) for c in serving]
+        if caps and all(caps):
+            keep = max(keep, math.ceil(state.tokens_inflight / (p.fill * min(caps))))
+        # Fewest in-flight requests first (least KV to migrate), then highest id.
+        candidates = sorted(flippable(state, Role.ROLLOUT), key=lambda c: (c.inflight_requests, -c.cell))
+        picked = candidates[:max(0, len(serving) - keep)]
+        return picked, [c for c in serving if c not in picked]
 
 
 def _secs(x: float) -> str:

@@ -30,3 +30,13 @@ def may_launch_batch(batch_step: int, policy_version: int, max_staleness: int, p
     while step ``s`` finishes and trains. The runtime and the simulator both ask this.
     """
     return previous_all_started and may_start_rollout(batch_step, policy_version, max_staleness)
+
+
+def next_batch_waits(every_run_started: bool, next_batch: int, policy_version: int, max_staleness: int,
+                     batches: int) -> bool:
+    """Whether no run can start before the trainer's next update: every launched run has
+    started, and batch ``next_batch`` (the next to launch; ``batches`` in all) is past the last
+    or held back by the staleness bound. The policy's ``ClusterState.next_batch_waits``: the
+    runtime and the simulator both ask this."""
+    return every_run_started and (next_batch >= batches or not may_start_rollout(next_batch, policy_version,
+                                                                                  max_staleness))

@@ -45,7 +45,7 @@ class ClusterState:
     time: float
     step: int
     cells: tuple[CellState, ...]
-    unfinished_runs: int = 0          # harness runs of the current rollout batch not yet done
+    unfinished_runs: int = 0          # harness runs of every launched rollout batch not yet done
     queued_requests: int = 0          # model calls waiting for an engine
     inflight_requests: int = 0
     tokens_inflight: int = 0
@@ -63,6 +63,11 @@ class ClusterState:
     demand_over_capacity_s: float = 0.0
     # Runs still unfinished whose requests the caller counts as the tail (see tail_requests).
     tail_runs: int = 0
+    # No run can start before the trainer's next update: every launched run has started and
+    # the staleness bound holds the next batch back (or no batch is left). Off-policy, the
+    # open runs are then all the engines will serve until the running step ends. False: a
+    # batch may start at any moment (or the caller does not know).
+    next_batch_waits: bool = False
     rollout_to_train_s: float = 8.5   # measured (or configured) switch costs
     train_to_rollout_s: float = 3.5
 

@@ -19,7 +19,7 @@ from collections import deque
 from typing import Mapping
 
 from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
-from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
+from gyre_hpc.sched.staleness import may_launch_batch, next_batch_waits, staleness_bound
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Policy, Role, RoleChange
 from gyre_hpc.sched.tail import RunProgress, tail_runs
 from gyre_hpc.sim.batch import Batch, sample_batch
@@ -619,7 +619,10 @@ class FleetSim:
                     train_tokens_per_s=tps, tail_requests=nt, kv_capacity_tokens=self.kv_cap))
             cells.append(hit[1])
         self.trainer_advance()
-        backlog = self.tr_avail + sum(self.backlog.values())
+        # The training step's own backlog, as the runtime counts it (``StepState.backlog_tokens``):
+        # groups of a batch rolled out ahead train only after the update, so no cell could
+        # train them before then.
+        backlog = self.tr_avail + self.backlog.get(self.version, 0.0)
         # KV the fleet must keep for every started run, not only those decoding now: a run
         # back from a tool call resumes from its cached prefix instead of prefilling it again.
         tokens = sum(self.ctx_of(run) for run in self.active if self.run_start[run] >= 0)
@@ -638,7 +641,11 @@ class FleetSim:
             policy_version=self.version, oldest_rollout_version=min(rolling, default=self.version),
             demand_over_capacity_s=self.now - self.over_since if self.over_since is not None else 0.0,
             tail_runs=len(tail),
-            expected_train_tokens=int(sum(self.unfinished.values()) * self.finished_tokens / self.runs_finished)
+            next_batch_waits=next_batch_waits(not self.pending and not self.launch_pending, self.next_batch,
+                                              self.version, self.staleness, self.w.steps),
+            # What the training step's own open runs will add (the runtime's TrainQueue.expected_tokens):
+            # runs of a batch rolled out ahead train after the update.
+            expected_train_tokens=int(self.unfinished.get(self.version, 0) * self.finished_tokens / self.runs_finished)
             if self.runs_finished else 0,
             rollout_to_train_s=self.w.fleet.rollout_to_train_s, train_to_rollout_s=self.w.fleet.train_to_rollout_s)
 

@@ -128,6 +128,33 @@ def test_a_batch_end_sends_the_engines_left_to_train_when_cells_were_released_du
     assert held(state("TRRTTT", unfinished_runs=0, train_backlog_tokens=1000)) == []
 
 
+def test_a_split_held_off_policy_releases_what_the_open_runs_do_not_need_once_no_run_can_start():
+    # Floor 3 of 6 cells (0, 4, 5 train); engines 1-3 hold 10 open runs; an engine admits 8.
+    held = ElasticPolicy(ElasticParams(target_requests_per_engine=2, fill=1.0, max_staleness=1,
+                                       train_floor_cells=3, max_requests_per_engine=8))
+    engines = {1: 4, 2: 4, 3: 2}
+    # A batch may still start: every engine of the split stays, whatever the occupancy.
+    assert held(state("TRRRTT", inflight=engines, train_backlog_tokens=BIG_BACKLOG)) == []
+    # No run starts before the update: 10 runs need 2 engines of 8; the one with the least to
+    # migrate trains (the on-policy sizing, 2 a engine, would keep all three).
+    got = held(state("TRRRTT", inflight=engines, train_backlog_tokens=BIG_BACKLOG, next_batch_waits=True))
+    assert flips(got) == {3: T} and "no run starts before the update" in got[0].reason
+    # Nothing to train, or a device whose admission limit is unknown: nothing goes.
+    assert held(state("TRRRTT", inflight=engines, next_batch_waits=True)) == []
+    unknown = ElasticPolicy(dataclasses.replace(held.params, max_requests_per_engine=0))
+    assert unknown(state("TRRRTT", inflight=engines, train_backlog_tokens=BIG_BACKLOG, next_batch_waits=True)) == []
+    # KV decides when it binds: 3 x 1000 tokens of capacity, 1500 in flight, need 2 engines.
+    kv = ElasticPolicy(dataclasses.replace(held.params, kv_tokens_per_engine=1000))
+    assert flips(kv(state("TRRRTT", inflight={1: 1, 2: 1, 3: 1}, tokens_inflight=1500,
+                          train_backlog_tokens=BIG_BACKLOG, next_batch_waits=True))) == {3: T}
+    # Released, the cell trains until a batch may start (or a call waits): then the split is back.
+    after = dict(inflight={1: 5, 2: 5}, train_backlog_tokens=BIG_BACKLOG)
+    assert held(state("TRRTTT", next_batch_waits=True, **after)) == []
+    back = held(state("TRRTTT", **after))
+    assert flips(back) == {5: R} and "a batch may start" in back[0].reason
+    assert flips(held(state("TRRTTT", next_batch_waits=True, queued_requests=1, **after))) == {5: R}
+
+
 STEP = dict(step_fixed_s=0.01, step_per_seq_s=0.0001, step_per_kv_token_s=1e-9)
 
 
@@ -360,6 +387,17 @@ def test_async_respects_staleness_bound():
     assert staleness_bound(ColocatePolicy()) == 0 and staleness_bound(ELASTIC) == 0
     assert not may_start_rollout(batch_step=4, policy_version=3, max_staleness=0)
     assert may_start_rollout(batch_step=3, policy_version=3, max_staleness=0)
+
+
+def test_no_run_can_start_before_the_update_once_all_started_and_the_bound_holds_the_next():
+    from gyre_hpc.sched.staleness import next_batch_waits
+    # Staleness 1, version 3 (step 3 training): batch 4 may launch, batch 5 waits for version 4.
+    assert not next_batch_waits(True, next_batch=4, policy_version=3, max_staleness=1, batches=10)
+    assert next_batch_waits(True, next_batch=5, policy_version=3, max_staleness=1, batches=10)
+    # A run launched but not started yet starts whenever a place frees.
+    assert not next_batch_waits(False, next_batch=5, policy_version=3, max_staleness=1, batches=10)
+    # No batch left: nothing more can start.
+    assert next_batch_waits(True, next_batch=10, policy_version=9, max_staleness=1, batches=10)
 
 
 def test_next_batch_launches_while_stragglers_run_only_within_staleness():
