@@ -80,7 +80,8 @@ def sim_workload(regime: str, steps: int, measured_from: str | None = None):
 
     m = measure(measured_from)
     keep = {"run": m.overrides.get("run", {}), "fleet": {k: v for k, v in m.overrides.get("fleet", {}).items()
-                                                         if k in ("rollout_to_train_s", "train_to_rollout_s")}}
+                                                         if k in ("rollout_to_train_s", "in_place_join_s",
+                                                                  "train_to_rollout_s")}}
     keep["run"] = {k: v for k, v in keep["run"].items()
                    if k in ("calls", "output_tokens", "context_tokens", "trained_per_token")}
     tool = environment_s(measured_from)

@@ -33,7 +33,9 @@ class ClusterView:
     def __init__(self, fleet: Controller, pool: EnginePool, calls: RoutedCalls, queue: TrainQueue, max_batch: int):
         self.fleet, self.pool, self.calls, self.queue = fleet, pool, calls, queue
         self.max_batch = max_batch
-        self.switch_s = {Role.TRAIN: None, Role.ROLLOUT: None}   # measured flip costs by target role
+        # Measured flip costs by kind: a join in place (the cell held the core's state), a join
+        # that moved the state to the cell, a flip to ROLLOUT. None: not measured yet.
+        self.switch_s: dict[str, float | None] = {"in_place": None, "moved": None, "rollout": None}
         self._engine_mark = (time.monotonic(), dict(pool.transport.tokens))
         self._engine_rate: dict[int, float] = {}
         self._inflight_integral: dict[int, float] = {}   # engine -> sum of requests held x seconds
@@ -59,10 +61,12 @@ class ClusterView:
         for e in router.engines:
             self._inflight_integral[e] = self._inflight_integral.get(e, 0.0) + dt * len(router.inflight(e))
 
-    def state(self, st: StepState, ahead: StepState | None = None) -> ClusterState:
+    def state(self, st: StepState, ahead: StepState | None = None,
+              current: frozenset[int] = frozenset()) -> ClusterState:
         """The view while step ``st`` is the one training, with ``ahead`` the next step's runs
         rolling out ahead of it (async). Open runs are both steps' (the engines serve both),
-        as the simulator counts them; the training work expected is ``st``'s."""
+        as the simulator counts them; the training work expected is ``st``'s. ``current``: the
+        cells that hold the core's state (they join in place; ``Flips.current``)."""
         self._sample_cells(st)
         router, speeds, cells = self.pool.router, self.queue.speeds, self.fleet.cells
         inflight = router.inflight()
@@ -103,18 +107,23 @@ class ClusterView:
                             oldest_rollout_version=self.fleet.policy_version,
                             demand_over_capacity_s=self.demand.update(time.monotonic(), queued, len(inflight),
                                                                       len(serving)),
-                            tail_runs=len(tail), **self.switch_costs())
+                            tail_runs=len(tail),
+                            **self.switch_costs(all(c.id in current for c in cells if c.role is Role.ROLLOUT)))
 
-    def switch_costs(self) -> dict[str, float]:
-        """The flip costs the policy plans with: this fleet's own last flip each way; before
-        one, its measured weight broadcast (x ``STATE_BYTES_PER_WEIGHT_BYTE`` to TRAIN, where
-        the optimizer state moves too); before that, nothing (the state's defaults)."""
+    def switch_costs(self, in_place: bool) -> dict[str, float]:
+        """The flip costs the policy plans with: this fleet's own last flip of the kind a
+        release would be now (``in_place``: every engine holds the core's state, as the
+        simulator's ``Fleet.join_s`` decides it), and back; before one, its measured weight
+        broadcast (x ``STATE_BYTES_PER_WEIGHT_BYTE`` to TRAIN, where the optimizer state moves
+        too); before that, nothing (the state's defaults). A join in place never measured
+        plans as one that moves the state: the dearer figure, until the fleet has made one."""
         out = {}
         push = self.pool.push_s
-        for role, key, prior in ((Role.TRAIN, "rollout_to_train_s", STATE_BYTES_PER_WEIGHT_BYTE),
-                                 (Role.ROLLOUT, "train_to_rollout_s", 1)):
-            if self.switch_s[role] is not None:
-                out[key] = self.switch_s[role]
+        join = self.switch_s["in_place"] if in_place and self.switch_s["in_place"] is not None else self.switch_s["moved"]
+        for measured, key, prior in ((join, "rollout_to_train_s", STATE_BYTES_PER_WEIGHT_BYTE),
+                                     (self.switch_s["rollout"], "train_to_rollout_s", 1)):
+            if measured is not None:
+                out[key] = measured
             elif push is not None:
                 out[key] = prior * push
         return out

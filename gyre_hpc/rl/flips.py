@@ -57,7 +57,7 @@ class Flips:
             # plans from training rates (elastic) would rest on a made-up one. The first report
             # comes within one micro-batch; from then on every cell plans with the measured rate.
             return
-        changes = self.fleet.decide(self.view.state(st, ahead))
+        changes = self.fleet.decide(self.view.state(st, ahead, self.current))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.fleet.cells
                          if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
@@ -104,7 +104,8 @@ class Flips:
         # A joiner that received the core's state holds it now, as one in place does.
         self.current |= frozenset(r.cell for r in records if Role(r.to) is Role.TRAIN)
         for r in records:
-            self.view.switch_s[Role(r.to)] = took
+            kind = "rollout" if Role(r.to) is Role.ROLLOUT else "in_place" if pending.in_place else "moved"
+            self.view.switch_s[kind] = took
         st.flips.extend(records)
         return records
 

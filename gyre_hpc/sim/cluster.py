@@ -131,6 +131,11 @@ class FleetSim:
         self.tr_stamp = 0
         self.tr_busy = False
         self.optimizing = False
+        # Cells that hold the core's whole state (weights and optimizer moments) and so join
+        # TRAIN in place (``fleet.in_place_join_s``): every cell at the launch (the runtime's
+        # start-up broadcast), then those that applied the last update or received the state.
+        self.current: set[int] = set(range(self.w.fleet.cells))
+        self.switch_dur: dict[int, tuple[float, bool]] = {}   # cell -> (its switch's cost, a join in place)
         self.backlog: dict[int, float] = {}
         self.trained: dict[int, float] = {}
         # batches
@@ -564,6 +569,7 @@ class FleetSim:
         replicas = sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching)
         self.version += 1
         self.optimizing = False
+        self.current = {c.id for c in self.cells if c.role is Role.TRAIN and not c.switching}
         wall = self.now - self.last_step_end
         self.last_step_end = self.now
         self.step_s.append(wall)
@@ -647,7 +653,10 @@ class FleetSim:
             # runs of a batch rolled out ahead train after the update.
             expected_train_tokens=int(self.unfinished.get(self.version, 0) * self.finished_tokens / self.runs_finished)
             if self.runs_finished else 0,
-            rollout_to_train_s=self.w.fleet.rollout_to_train_s, train_to_rollout_s=self.w.fleet.train_to_rollout_s)
+            # What a release would cost now: in place when every engine holds the core's state.
+            rollout_to_train_s=self.w.fleet.join_s(all(c.id in self.current for c in self.cells
+                                                        if c.role is Role.ROLLOUT)),
+            train_to_rollout_s=self.w.fleet.train_to_rollout_s)
 
     def on_decide(self, periodic: int) -> None:
         if periodic:
@@ -672,7 +681,9 @@ class FleetSim:
                 continue
             was = c.role
             c.role = ch.to
-            dur = (f.rollout_to_train_s if ch.to is Role.TRAIN else f.train_to_rollout_s) if cost else 0.0
+            in_place = ch.to is Role.TRAIN and c.id in self.current
+            dur = (f.join_s(in_place) if ch.to is Role.TRAIN else f.train_to_rollout_s) if cost else 0.0
+            self.switch_dur[c.id] = (dur, in_place)
             c.switching = dur > 0
             if was is Role.ROLLOUT:
                 self.release_engine(c.id)
@@ -724,8 +735,12 @@ class FleetSim:
     def on_switch(self, cid: int) -> None:
         c = self.cells[cid]
         c.switching = False
-        self.timeline.append(TimelineRow(self.now, cid, c.role.value, "role", self.version,
-                                         self.w.fleet.rollout_to_train_s if c.role is Role.TRAIN else self.w.fleet.train_to_rollout_s))
+        if c.role is Role.TRAIN:
+            self.current.add(cid)        # joined in place, or received the core's state to join
+        dur, in_place = self.switch_dur.get(cid, (0.0, False))
+        # "in place" as the runtime's flip_end rows say it (sim.measure tells the two joins apart)
+        self.timeline.append(TimelineRow(self.now, cid, c.role.value, "role", self.version, dur, 0,
+                                         "in place" if in_place else ""))
         self.reschedule(cid)
         self.touch(c)
         self.trainer_update()

@@ -110,14 +110,21 @@ def _plan(run: Run, m: Measured) -> None:
 
 
 def _switches(run: Run, m: Measured) -> None:
+    """Median flip costs by kind: a join in place (``flip_end`` detail "in place": the cell held
+    the core's state, nothing moved) and one that moved the state are different figures, and a
+    run of joins in place says nothing about the other."""
     tl = run.timeline
     ended = np.isin(tl["event"].values, ("flip_end", "role")) & (tl["duration_s"].values > 0)
-    for role, name in (("TRAIN", "fleet.rollout_to_train_s"), ("ROLLOUT", "fleet.train_to_rollout_s")):
-        d = tl["duration_s"].values[ended & (tl["role"].values == role)]
+    in_place = np.array([str(d).endswith("in place") for d in tl["detail"].values], dtype=bool)
+    to_train = ended & (tl["role"].values == "TRAIN")
+    for name, rows, what in (("fleet.rollout_to_train_s", to_train & ~in_place, "join that moved the state"),
+                             ("fleet.in_place_join_s", to_train & in_place, "join in place"),
+                             ("fleet.train_to_rollout_s", ended & (tl["role"].values == "ROLLOUT"), "flip to ROLLOUT")):
+        d = tl["duration_s"].values[rows]
         if d.size:
             _set(m.overrides, name, float(np.median(d)))
         else:
-            m.not_measured[name] = f"no completed flip to {role} in the timeline"
+            m.not_measured[name] = f"no completed {what} in the timeline"
 
 
 def _calls(run: Run, m: Measured) -> None:

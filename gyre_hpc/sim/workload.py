@@ -121,18 +121,27 @@ class Fleet:
     rollout_only: int = 0                   # cells that never train
     rollout_to_train_s: float = 8.5         # switch costs
     train_to_rollout_s: float = 3.5
+    # A join by a cell that applied the last update with the replicas (it holds the core's
+    # whole state, as the runtime's joins in place): a message, no state moved. None: the
+    # same as rollout_to_train_s (one switch cost for every join, as the presets model it).
+    in_place_join_s: float | None = None
     # The async baseline's fixed split (train cells, core included): an explicit input, as
     # a user configures scheduler.async_train_cells. 0: none given (async cannot run;
     # `gyre-hpc sim --tune-async` finds the best split by simulation).
     async_train_cells: int = 0
     async_max_staleness: int = 1
 
+    def join_s(self, in_place: bool) -> float:
+        """What a ROLLOUT -> TRAIN switch costs: in place (the cell holds the core's state) or
+        with the state moved to it."""
+        return self.in_place_join_s if in_place and self.in_place_join_s is not None else self.rollout_to_train_s
+
     def __post_init__(self) -> None:
         if self.cells < 2:
             raise WorkloadError(f"fleet.cells={self.cells}: need >= 2 (the core cell and an engine)")
         if not 0 <= self.rollout_only <= self.cells - 1:
             raise WorkloadError(f"fleet.rollout_only={self.rollout_only}: must be in 0..{self.cells - 1}")
-        if self.rollout_to_train_s < 0 or self.train_to_rollout_s < 0:
+        if self.rollout_to_train_s < 0 or self.train_to_rollout_s < 0 or (self.in_place_join_s or 0) < 0:
             raise WorkloadError("fleet switch costs must be >= 0")
         if self.core_cells < 0 or self.core_cells > self.cells - 1:
             raise WorkloadError(f"fleet.core_cells={self.core_cells}: must be in 0..{self.cells - 1} (0 = as the memory needs)")

@@ -525,26 +525,31 @@ def test_elastic_holding_a_split_as_its_floor_is_never_slower_than_that_split():
         assert held.total_s <= static.total_s * 1.0001, (k, held.total_h, static.total_h)
 
 
-def test_elastic_holding_the_paper_local_split_trains_on_the_engines_its_tail_leaves_idle():
-    """The regime of bench e2e with joins in place (a release costs ~1 ms, as measured):
-    async-6 is training-bound and its 2 engines tail off before the update; holding that split,
-    elastic releases an engine there and is faster (before the admission rule it ran the
-    split's schedule, 1.000x). With the preset's 3 s switch the window does not repay it, and
-    the held split is the static one to the step but the last, which no batch follows."""
+def test_elastic_holding_the_paper_local_split_trains_on_the_engines_its_tail_leaves_idle_when_joins_are_cheap():
+    """The regime of bench e2e: async-6 is training-bound and its 2 engines tail off before the
+    update. The split's engines never apply an update, so they hold the weights but not the
+    optimizer state, and a join moves it (``rollout_to_train_s``, 3 s); joins in place cost a
+    millisecond, as measured, but only cells that trained the last update make them (every cell
+    at the launch: the first step may release cheaply). Then the window does not repay a
+    release after the first step and the held split runs the static schedule (within a few ms:
+    the first step's release shifts what follows). If an engine's join cost what one in place
+    does, holding the split releases an engine there and is faster: what the admission rule
+    is for (before it the held split was the static one at any join cost)."""
     from gyre_hpc.bench.repeats import steady
     w = scaled(preset("paper-local"), **{"steps": 6, "fleet.async_max_staleness": 1, "fleet.async_train_cells": 6,
-                                         "fleet.rollout_to_train_s": 0.001, "run.trained_per_token": 0.85})
-    static = run("async", w)
-    held = simulate(w, policy_for(w, "elastic", max_staleness=1, train_floor_cells=6), "elastic")
+                                         "fleet.in_place_join_s": 0.001, "run.trained_per_token": 0.85})
+
+    def held_and_static(w):
+        return simulate(w, policy_for(w, "elastic", max_staleness=1, train_floor_cells=6), "elastic"), run("async", w)
+    held, static = held_and_static(w)
+    mid = [r for r in held.timeline if r.event == "switch" and r.time > held.step_s[0]
+           and "no run starts before the update" in r.detail]
+    assert not mid, mid
+    assert np.mean(steady(list(held.step_s))) == pytest.approx(np.mean(steady(list(static.step_s))), rel=0.01)
+    held, static = held_and_static(scaled(w, **{"fleet.rollout_to_train_s": 0.001}))
     gain = np.mean(steady(list(static.step_s))) / np.mean(steady(list(held.step_s)))
     assert gain > 1.01, (static.step_s, held.step_s)   # 1.017 when written
-    released = [r.detail for r in held.timeline if r.event == "switch" and "no run starts before the update" in r.detail]
-    assert released, "no engine was released beyond the floor"
-    costly = scaled(w, **{"fleet.rollout_to_train_s": 3.0})
-    held = simulate(costly, policy_for(costly, "elastic", max_staleness=1, train_floor_cells=6), "elastic")
-    static = run("async", costly)
-    assert list(held.step_s)[:-1] == list(static.step_s)[:-1]
-    assert held.step_s[-1] < static.step_s[-1]     # the last batch done, no run left: every engine trains
+    assert any(r.event == "switch" and "no run starts before the update" in r.detail for r in held.timeline)
 
 
 def test_the_regime_shape_is_read_off_colocate_and_the_batches():
