@@ -30,8 +30,9 @@ the device's admission limit, and their KV at ``fill``), the split's peak occupa
 the others train the running step, if that pays, and return, all at once, when a batch may
 start (or a call waits for an engine). The runs in a step's tail then decode on fewer engines,
 more slowly; they are trained in the next step, which starts on the runs already done. A cell
-that trained the last update holds the core's state and joins in place, so from the second
-step on such a release costs a message, not a state transfer.
+that trained the last update holds the core's state and joins in place; the split's engines
+never train, so theirs moves the state. The rule is opt-in (``max_requests_per_engine``):
+measured on paced cells it lost to the split it holds (docs/rl.md).
 
 Where releasing would not pay, elastic holds what colocate holds: every cell serves a
 batch that starts with nothing to train, and once a batch is over the engines left serving
@@ -82,8 +83,9 @@ class ElasticParams:
     default_train_tokens_per_s: float = 2000.0
     # Requests one engine admits at once (the device's ``max_seqs``): how a split held
     # off-policy sizes the engines its open runs need once no run can start before the
-    # update (see the module docstring). Sized from the device model (``device_sized``).
-    # 0: unknown, and such a split releases nothing while a run is open.
+    # update (see the module docstring). 0 (the default, and ``device_sized`` leaves it): such
+    # a split releases nothing while a run is open. Opt-in: on paper-local's paced fleet it
+    # lost (bench e2e 2026-12-04: 0.908x of async-6, a reclaim at the update costs ~2 s there).
     max_requests_per_engine: int = 0
     # Versions a rollout may lag the trainer; elastic is on-policy by default.
     max_staleness: int = 0
@@ -157,7 +159,6 @@ def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> Elast
     """
     h, single = engine.half_saturation_seqs, engine.single_seq_tokens_per_s
     sizing = {"target_requests_per_engine": engine.target_seqs(), "kv_tokens_per_engine": engine.kv_capacity_tokens(),
-              "max_requests_per_engine": engine.max_seqs,
               "default_train_tokens_per_s": train.tokens_per_s,
               # EngineModel.step_s(n, K) = (h + n) / ((1 + h) single) + K kv_read_s_per_token
               "step_fixed_s": h / ((1.0 + h) * single), "step_per_seq_s": 1.0 / ((1.0 + h) * single),

@@ -540,7 +540,8 @@ def test_elastic_holding_the_paper_local_split_trains_on_the_engines_its_tail_le
                                          "fleet.in_place_join_s": 0.001, "run.trained_per_token": 0.85})
 
     def held_and_static(w):
-        return simulate(w, policy_for(w, "elastic", max_staleness=1, train_floor_cells=6), "elastic"), run("async", w)
+        return simulate(w, policy_for(w, "elastic", max_staleness=1, train_floor_cells=6,
+                                      max_requests_per_engine=w.engine.max_seqs), "elastic"), run("async", w)
     held, static = held_and_static(w)
     mid = [r for r in held.timeline if r.event == "switch" and r.time > held.step_s[0]
            and "no run starts before the update" in r.detail]
