@@ -76,8 +76,7 @@ class ClusterView:
         tail = tail_runs({s.run_id: RunProgress(x.run_started.get(s.run_id, math.inf),
                                                 x.run_calls[s.run_id].calls if s.run_id in x.run_calls else 0)
                           for x in steps for s in x.specs if s.run_id not in x.outcomes}, TAIL_FRACTION)
-        started = all(s.run_id in x.run_started or s.run_id in x.outcomes for x in steps for s in x.specs)
-        waits = next_batch_waits(started, steps[-1].step, self.fleet.policy_version,
+        waits = next_batch_waits(all(x.all_started for x in steps), steps[-1].step, self.fleet.policy_version,
                                  staleness_bound(self.fleet.policy), self.fleet.cfg.train.steps)
         serving = [c for c in cells if c.role is Role.ROLLOUT and c.id in router.engines]
         # Cells that never trained (or never served) plan with what the others measured:

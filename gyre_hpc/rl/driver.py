@@ -127,9 +127,8 @@ class RLStepDriver:
         be at most ``max_staleness`` versions old when trained. Its runs take the places this
         step's runs free, so engines keep generating through this step's tail and training."""
         gate = staleness_bound(self.fleet.policy)
-        all_started = all(s.run_id in st.run_started or s.run_id in st.outcomes for s in st.specs)
         return (self._next is None and st.step < self.cfg.train.steps
-                and may_launch_batch(st.step, self.fleet.policy_version, gate, all_started))
+                and may_launch_batch(st.step, self.fleet.policy_version, gate, st.all_started))
 
     async def _abandon(self, st: StepState, tasks: list[asyncio.Task]) -> None:
         """An exit request: cancel the runs (their journals resume them), end a flip in flight,

@@ -59,6 +59,11 @@ class StepState:
         return len(self.outcomes) == len(self.specs)
 
     @property
+    def all_started(self) -> bool:
+        """Every run has taken its place (or is done): the next batch may launch behind it."""
+        return all(s.run_id in self.run_started or s.run_id in self.outcomes for s in self.specs)
+
+    @property
     def unfinished(self) -> int:
         return len(self.specs) - len(self.outcomes)
 

@@ -406,12 +406,13 @@ class ElasticPolicy:
         return picked, remaining
 
     def _admitting(self, state: ClusterState, serving: list[CellState]) -> tuple[list[CellState], list[CellState]]:
-        """A split held off-policy, no run to start before the update: the engines that admit
+        """A split held off-policy, no run to start before the update (``_release`` asks only
+        then): the engines that admit
         every open run at once (``max_requests_per_engine`` each, their KV at ``fill``) stay,
         the others may go; returns (released, staying)."""
         p = self.params
         runs = state.unfinished_runs
-        if not state.next_batch_waits or (runs and not p.max_requests_per_engine):
+        if runs and not p.max_requests_per_engine:
             return [], list(serving)
         keep = math.ceil(runs / p.max_requests_per_engine) if runs else 0
         caps = [kv_capacity(c, p.kv_tokens_per_engine) for c in serving]

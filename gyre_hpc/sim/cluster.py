@@ -566,10 +566,11 @@ class FleetSim:
 
     def on_opt(self) -> None:
         step = self.version
-        replicas = sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching)
+        # The replicas that applied this update: they hold the core's state from now on.
+        self.current = {c.id for c in self.cells if c.role is Role.TRAIN and not c.switching}
+        replicas = len(self.current)
         self.version += 1
         self.optimizing = False
-        self.current = {c.id for c in self.cells if c.role is Role.TRAIN and not c.switching}
         wall = self.now - self.last_step_end
         self.last_step_end = self.now
         self.step_s.append(wall)

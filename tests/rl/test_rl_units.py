@@ -704,3 +704,16 @@ def test_prompt_totals_count_cached_and_recomputed_prompt_tokens_across_engines(
                                      2: EngineCounters(prefill_tokens=35, cached_prompt_tokens=20)})
     assert EnginePool.prompt_totals(pool, 100) == {"recomputed_prefill_tokens": 5, "cached_prompt_tokens": 30}
     assert EnginePool.prompt_totals(pool, 105) == {"recomputed_prefill_tokens": 0, "cached_prompt_tokens": 30}
+
+
+def test_a_step_has_all_started_once_every_run_took_its_place_or_is_done():
+    from gyre_hpc.rl.runs import RunSpec
+    from gyre_hpc.rl.step_state import RunOutcome, StepState
+
+    specs = [RunSpec(step=2, group=0, index=g, task=None, seed=g) for g in range(3)]
+    st = StepState(step=2, specs=specs)
+    assert not st.all_started
+    st.run_started = {specs[0].run_id: 1.0, specs[1].run_id: 2.0}
+    assert not st.all_started
+    st.outcomes[specs[2].run_id] = RunOutcome(spec=specs[2], tree=None)   # done: it started long ago
+    assert st.all_started
