@@ -9,7 +9,9 @@ within the reply timeout, naming the rank and the command it owed. A step:
    engines (``engine_pool``); tools and checkers run in worker threads;
 2. pump: engine token streams, the queued calls dispatched, replicas' reports taken;
 3. as an advantage group finishes, commit its trees to ``trees.zarr`` and deal its
-   micro-batches to the TRAIN replicas (``train_queue``) while other runs still roll out;
+   micro-batches to the TRAIN replicas (``train_queue``) while other runs still roll out; a
+   step rolling out ahead stores its finished groups once this step's trees are all stored,
+   and deals them when it becomes the current step;
 4. every ``scheduler.interval_s`` (and when new calls arrive) the policy sees the live view
    (``cluster_view``) and may flip cells (``flips``: KV moves with released engines); the
    flip completes while the loop goes on, since replicas answer it after their micro-batch
@@ -83,6 +85,8 @@ class RLStepDriver:
             self._raise_failed(tasks)
             if self._may_roll_ahead(st):
                 self._next = self.rollouts.start(step + 1, active=False, trained_upto=self.trained_upto)
+            if self._next is not None:
+                self.train.store_ahead(st, self._next[0])
             self.view.tick()
             events = self.calls.pump()
             self.train.poll(st)

@@ -3,7 +3,8 @@ their trees handed on an advantage group at a time.
 
 A run's trees go to training only as a whole group (their advantages are relative to each
 other), and only in step order: a step rolled out ahead (async) holds its finished groups
-until it is the current step, so ``trees.zarr`` stays ordered by step. A run whose tree a
+until it is the current step (``TrainQueue.store_ahead`` stores them once the current step's
+trees all are, so ``trees.zarr`` stays ordered by step). A run whose tree a
 killed launch already committed is read back from the store instead of being rolled out again.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Rollouts:
         for spec in st.specs:
             if spec.run_id in stored:
                 index, tree = stored[spec.run_id]
-                self._run_done(st, RunOutcome(spec, tree, from_store=True, store_index=index))
+                self._run_done(st, RunOutcome(spec, tree, stored=True, store_index=index))
             else:
                 tasks.append(asyncio.create_task(self._agent(spec, st)))
         return st, tasks

@@ -24,7 +24,7 @@ class RunOutcome:
     restarts: int = 0
     calls: int = 0
     model_s: float = 0.0
-    from_store: bool = False
+    stored: bool = False       # its tree is in trees.zarr at store_index (read back, or stored ahead)
     store_index: int = -1
 
 
@@ -50,7 +50,8 @@ class StepState:
     run_calls: dict[str, CountingRunClient] = field(default_factory=dict)  # run id -> its client (calls so far)
     replica_pace: dict[int, dict] = field(default_factory=dict)   # rank -> its pace record (paced cells)
     # False while the step's runs roll out ahead of it (async: during the previous step's
-    # training); its finished groups wait in ``held`` so the store stays in step order.
+    # training); its finished groups wait in ``held`` to be dealt, and are stored only once
+    # the current step's trees all are, so the store stays in step order.
     active: bool = True
     held: list[list[RunOutcome]] = field(default_factory=list)
 

@@ -246,6 +246,34 @@ def test_killed_fleet_resumes_and_keeps_every_committed_tree_once(tmp_path):
     assert len(resumed) == 1 and int(re.search(r"(\d+) trees stored", resumed[0]).group(1)) >= len(seen["ids"])
 
 
+def test_killed_async_fleet_keeps_the_trees_a_step_rolled_out_ahead_stored_once(tmp_path):
+    """Async stores the groups of the step rolling out ahead while the current one trains: SIGKILL
+    once a tree of the step after the current one is in the store (checkpoint k-1, step k
+    training, step k+1's trees arriving). The relaunch reads both steps' stored trees back and
+    rolls out only the rest: every run once, in step order, no step trained twice."""
+    # Paced training slow enough (160 tokens/s) that the next step's runs end while this one trains.
+    cfg = rl_config(tmp_path, "scheduler.policy=async", "train.steps=4", "cells.device=paced",
+                    "cells.pace.engine.single_seq_tokens_per_s=400", "cells.pace.train.tokens_per_s=160")
+    run = write_run_dir(cfg)
+    sup = Supervisor(cfg=cfg, run=run, launcher=LocalLauncher(), plan=local_plan(cfg), argv=program_argv(run),
+                     log=lambda m: None)
+
+    def ahead_stored(meta, ids):
+        ahead = f"s{meta.step + 2:05d}-"
+        return dict(ids=ids, step=meta.step) if any(i.startswith(ahead) for i in ids) else None
+
+    seen = kill_fleet_when(sup, run, ahead_stored)
+    result = sup.run_fleet()
+    assert seen, "no tree of the step after the current one was stored before the current step's checkpoint"
+    assert result.status == "finished" and result.launches == 2
+    ids = store_run_ids(run)
+    assert len(ids) == 4 * 8 and len(set(ids)) == len(ids)
+    assert ids[:len(seen["ids"])] == seen["ids"]
+    assert ids == sorted(ids, key=lambda i: i[:6])                # in step order (s0000k- prefixes)
+    steps = read_table(run.metrics, "steps")["step"].tolist()
+    assert sorted(Counter(steps).items()) == [(s, 1) for s in range(1, 5)]
+
+
 def test_killed_between_checkpoints_every_step_and_run_row_is_written_once(tmp_path):
     """train.checkpoint_every=2: SIGKILL once step 3 has finished (its trees committed) and step
     4 is rolling out, the latest checkpoint still step 2. The relaunch redoes steps 3 and 4;

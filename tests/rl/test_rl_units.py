@@ -717,3 +717,47 @@ def test_a_step_has_all_started_once_every_run_took_its_place_or_is_done():
     assert not st.all_started
     st.outcomes[specs[2].run_id] = RunOutcome(spec=specs[2], tree=None)   # done: it started long ago
     assert st.all_started
+
+
+def test_a_step_rolled_out_ahead_stores_its_groups_only_once_the_current_steps_trees_are_stored(tmp_path):
+    """``TrainQueue.store_ahead``: the ahead step's finished groups reach ``trees.zarr`` while
+    the current step trains (one group a call), never before every tree of the current step is
+    there, so the store stays in step order; activating the step then only cuts them."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gyre_hpc.rl.runs import RunSpec
+    from gyre_hpc.rl.step_state import RunOutcome, StepState
+    from gyre_hpc.rl.train_queue import TrainQueue
+    from gyre_hpc.trees.store import TreeStore
+
+    trees = _trees(n_tasks=2, g=2)
+    cfg = build_config({"workload": "rl", "cells": {"count": 2}})
+
+    def step(n: int) -> tuple[StepState, list[list[RunOutcome]]]:
+        specs = [RunSpec(step=n, group=g, index=i, task=None, seed=i) for g in range(2) for i in range(2)]
+        outs = [RunOutcome(spec=s, tree=dataclasses.replace(t, run_id=s.run_id)) for s, t in zip(specs, trees)]
+        return StepState(step=n, specs=specs), [outs[:2], outs[2:]]
+
+    with TreeStore.open(tmp_path / "trees.zarr", "a") as store:
+        queue = TrainQueue(SimpleNamespace(cfg=cfg, cells=[None, None]), store)
+        current, (c0, c1) = step(1)
+        ahead, held = step(2)
+        ahead.active, ahead.held = False, held
+        for o in c0:
+            current.outcomes[o.spec.run_id] = o
+        queue.commit_group(current, c0)
+        queue.store_ahead(current, ahead)
+        assert len(store) == 2 and not any(o.stored for g in held for o in g)   # step 1 still rolls out
+        for o in c1:
+            current.outcomes[o.spec.run_id] = o
+        queue.commit_group(current, c1)
+        queue.store_ahead(current, ahead)
+        assert len(store) == 6 and [o.store_index for o in held[0]] == [4, 5] and not held[1][0].stored
+        queue.store_ahead(current, ahead)
+        queue.store_ahead(current, ahead)                                        # nothing left: no append
+        assert len(store) == 8 and [o.store_index for o in held[1]] == [6, 7]
+        assert store.run_ids()[4:] == [o.spec.run_id for g in held for o in g]
+        for g in held:
+            queue.commit_group(ahead, g)                                         # activation: cut, not stored again
+        assert len(store) == 8 and ahead.store_end == 8 and ahead.pending
