@@ -263,10 +263,11 @@ def run_chaos(run_dir: Path, steps: int, faults: list[Fault], timeout_s: float) 
         job = submissions[-1]
         _wait(lambda: _job_state(job) in ENDED_STATES, max(60.0, timeout_s - (time.monotonic() - t0)),
               f"job {job} to finish", poll=1.0)
-    except click.ClickException as exc:
-        # A wait that timed out (a loaded machine, a fleet that never came up): the report still
-        # says what happened, and no job of this run is left holding the cluster's nodes.
-        error = exc.message
+    except Exception as exc:
+        # A wait that timed out (a loaded machine, a fleet that never came up), or the bench's
+        # own probe failing on what a killed run left: the report still says what happened
+        # (--json prints it), and no job of this run is left holding the cluster's nodes.
+        error = exc.message if isinstance(exc, click.ClickException) else f"{type(exc).__name__}: {exc}"
         for submitted in submissions:
             subprocess.run(["scancel", submitted], capture_output=True)
         job = submissions[-1]
