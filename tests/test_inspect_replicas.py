@@ -31,3 +31,29 @@ def test_pace_summary_takes_each_cells_last_record_and_the_overrun_share():
     assert s["paced_s"] == 25.0 and s["overrun_s"] == 1.0 and s["overrun_share"] == pytest.approx(0.04)
     assert set(s["cells"]) == {"1:engine", "0:replica"}
     assert pace_summary([]) is None
+
+
+def test_a_step_trained_again_after_a_relaunch_is_read_from_the_launch_that_trained_it_last():
+    """A kill between checkpoints: step 2's first attempt (cells 0 and 1, ending far apart)
+    stays in the table; the relaunch trains it again on cells 0 and 2."""
+    events = [(0.0, "fleet_start", 1, "rl fresh"),
+              mb(10.0, 1, 0, 2.0), mb(10.5, 1, 1, 2.0),
+              mb(20.0, 2, 0, 2.0), mb(29.0, 2, 1, 2.0),                           # killed after these
+              (40.0, "fleet_resume", 2, "rl resume"),
+              mb(50.0, 2, 0, 2.0), mb(50.4, 2, 2, 2.0)]
+    r = replica_finish(events)
+    assert set(r["steps"]) == {1, 2}
+    assert r["steps"][2] == {"last_end_s": {0: 2.0, 2: 2.4}, "spread_s": 0.4, "share": pytest.approx(0.4 / 2.4, abs=1e-4)}
+    assert r["steps"][1]["spread_s"] == 0.5
+
+
+def test_pace_records_count_from_zero_in_each_launch_and_are_summed_over_launches():
+    rec = "EMULATED cell={c} engine intervals=4 paced_s={p} real_s=1.0 overruns=1 overrun_s={o} share=0"
+    events = [(0.0, "fleet_start", 1, "rl fresh"),
+              (1.0, "pace", 1, rec.format(c=1, p=10.0, o=1.0)),
+              (2.0, "pace", 2, rec.format(c=1, p=20.0, o=2.0)),     # the first launch's last: 20 s, 2 over
+              (3.0, "fleet_resume", 2, "rl resume"),
+              (4.0, "pace", 2, rec.format(c=1, p=5.0, o=0.0))]       # the relaunch's own count
+    s = pace_summary(events)
+    assert s["paced_s"] == 25.0 and s["overrun_s"] == 2.0 and s["overrun_share"] == pytest.approx(0.08)
+    assert s["cells"]["1:engine"]["intervals"] == 8 and s["cells"]["1:engine"]["share"] == pytest.approx(0.08)

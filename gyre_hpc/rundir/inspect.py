@@ -61,7 +61,7 @@ class RunSummary:
     # Streaming training: when each replica's last micro-batch of a step ended (``train_mb``
     # events) and how far apart, as a share of the step's training span. None without events.
     replica_finish: dict | None = None
-    # Paced cells (cells.device: paced): the last step's records, EMULATED durations.
+    # Paced cells (cells.device: paced): each launch's last records, summed; EMULATED durations.
     pace: dict | None = None
 
 
@@ -159,17 +159,35 @@ def _fields(detail: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in detail.split() if "=" in kv)
 
 
+LAUNCH_EVENTS = ("fleet_start", "fleet_resume")
+
+
+def by_launch(events: list[tuple[float, str, int, str]]) -> list[list[tuple[float, str, int, str]]]:
+    """The events in fleet launches, split at each ``fleet_start``/``fleet_resume``. A relaunch
+    after a kill trains the steps past the checkpoint again (their first attempt's events stay
+    in the table), and its ranks' pace records count from zero."""
+    launches: list[list[tuple[float, str, int, str]]] = [[]]
+    for e in events:
+        if e[1] in LAUNCH_EVENTS and launches[-1]:
+            launches.append([])
+        launches[-1].append(e)
+    return launches
+
+
 def replica_finish(events: list[tuple[float, str, int, str]]) -> dict | None:
     """Per step with >= 2 training cells: each cell's last micro-batch end (the controller's
     receipt of its report), their spread, and the spread as a share of the step's training
     span (first micro-batch start to last end). Dealing by measured speed should keep every
-    replica finishing together, a slower one included."""
+    replica finishing together, a slower one included. A step trained again after a relaunch
+    is read from the launch that trained it last."""
     by_step: dict[int, dict[int, list[tuple[float, float]]]] = {}
-    for t, name, step, detail in events:
-        if name != "train_mb":
-            continue
-        f = _fields(detail)
-        by_step.setdefault(step, {}).setdefault(int(f["cell"]), []).append((t, float(f["seconds"])))
+    for launch in by_launch(events):
+        steps: dict[int, dict[int, list[tuple[float, float]]]] = {}
+        for t, name, step, detail in launch:
+            if name == "train_mb":
+                f = _fields(detail)
+                steps.setdefault(step, {}).setdefault(int(f["cell"]), []).append((t, float(f["seconds"])))
+        by_step.update(steps)
     if not by_step:
         return None
     out = {}
@@ -185,22 +203,33 @@ def replica_finish(events: list[tuple[float, str, int, str]]) -> dict | None:
     return {"steps": out, "max_share": max((v["share"] for v in out.values()), default=None)}
 
 
+PACE_SUMS = ("intervals", "paced_s", "real_s", "overruns", "overrun_s")
+
+
 def pace_summary(events: list[tuple[float, str, int, str]]) -> dict | None:
-    """The paced cells' records at the last step that wrote them (cumulative), and the
-    overrun share over all of them: above a few percent the emulation is not valid."""
-    last: dict[tuple[int, str], dict[str, str]] = {}
+    """The paced cells' records, each launch's last (they are cumulative within a launch)
+    summed over launches, and the overrun share over all of them: above a few percent the
+    emulation is not valid."""
+    totals: dict[tuple[int, str], dict[str, float]] = {}
     step_of = -1
-    for _, name, step, detail in events:
-        if name == "pace":
-            f = _fields(detail)
-            last[(int(f["cell"]), detail.split()[2])] = f
-            step_of = max(step_of, step)
-    if not last:
+    for launch in by_launch(events):
+        last: dict[tuple[int, str], dict[str, str]] = {}
+        for _, name, step, detail in launch:
+            if name == "pace":
+                f = _fields(detail)
+                last[(int(f["cell"]), detail.split()[2])] = f
+                step_of = max(step_of, step)
+        for key, f in last.items():
+            total = totals.setdefault(key, dict.fromkeys(PACE_SUMS, 0.0))
+            for k in PACE_SUMS:
+                total[k] += float(f[k])
+    if not totals:
         return None
-    paced = sum(float(f["paced_s"]) for f in last.values())
-    over = sum(float(f["overrun_s"]) for f in last.values())
-    return {"emulated": True, "step": step_of, "cells": {f"{c}:{role}": {k: float(v) for k, v in f.items() if k != "cell"}
-                                                        for (c, role), f in sorted(last.items())},
+    for total in totals.values():
+        total["share"] = round(total["overrun_s"] / total["paced_s"], 4) if total["paced_s"] > 0 else 0.0
+    paced = sum(f["paced_s"] for f in totals.values())
+    over = sum(f["overrun_s"] for f in totals.values())
+    return {"emulated": True, "step": step_of, "cells": {f"{c}:{role}": f for (c, role), f in sorted(totals.items())},
             "paced_s": round(paced, 3), "overrun_s": round(over, 3),
             "overrun_share": round(over / paced, 4) if paced > 0 else 0.0}
 
