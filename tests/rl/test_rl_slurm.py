@@ -60,7 +60,11 @@ def test_scancelled_between_checkpoints_writes_each_step_and_run_row_once(tmp_pa
     and each tree is there exactly once."""
     from collections import Counter
 
-    job, run, out = _submit(tmp_path, "train.steps=4", "train.checkpoint_every=2")
+    # Paced training (50 tokens/s: ~3.5 s a step) holds the window open: unpaced, a step of this
+    # small run took under a second, and CI's poll once missed step 4 between its first trees
+    # and its checkpoint (the run finished first).
+    job, run, out = _submit(tmp_path, "train.steps=4", "train.checkpoint_every=2", "cells.device=paced",
+                            "cells.pace.engine.single_seq_tokens_per_s=400", "cells.pace.train.tokens_per_s=50")
     per_step = 2 * 4      # examples/local-slurm.yaml's tasks_per_step x SMALL's runs_per_task
     step_id = wait_for(lambda: fleet_step(run.root, 1), 180, "the first fleet step", job, out)
     wait_for(lambda: checkpoint_step(run.root) == 2 and run.trees.exists()
