@@ -54,26 +54,29 @@ class TrainQueue:
         tokens, runs = self._run_tokens
         self._run_tokens = (tokens + sum(mb.tokens for mb in mbs), runs + len(outs))
 
-    def store_group(self, outs: list[RunOutcome]) -> None:
+    def store_group(self, outs: list[RunOutcome]) -> bool:
         """Admit a finished group and append its trees to the store in one commit; each outcome
-        then names its store index. A group is committed whole, so it is stored or not."""
+        then names its store index. A group is committed whole, so it is stored or not; returns
+        whether this call appended it."""
         if all(o.stored for o in outs):
-            return
+            return False
         trees = admit_group([o.tree for o in outs], self.cfg.train.max_paths_per_run)
         for o, t, i in zip(outs, trees, self.store.append(trees)):
             o.tree, o.stored, o.store_index = t, True, i
+        return True
 
     def store_ahead(self, current: StepState, ahead: StepState) -> None:
         """The groups a step rolling out ahead holds go into the store once every tree of the
         current step is there (the store stays in step order, which a relaunch's exactly-once
         read relies on). Stored while the current step trains, the ahead step's start finds
-        only the cut left: a group's durable append costs ~0.14 s here (Zarr's chunk writes, half
-        of it their fsyncs), and a dozen of them at the step boundary held every replica idle. One group a call, so the loop pumps
-        between appends."""
-        if current.runs_done:
-            outs = next((g for g in ahead.held if not all(o.stored for o in g)), None)
-            if outs is not None:
-                self.store_group(outs)
+        only the cut left: a group's durable append costs ~0.14 s here (Zarr's chunk writes,
+        half of it their fsyncs), and a dozen of them at the step boundary held every replica
+        idle. One group a call, so the loop pumps between appends."""
+        if not current.runs_done:
+            return
+        for outs in ahead.held:
+            if self.store_group(outs):
+                return
 
     def expected_tokens(self, unfinished_runs: int) -> int:
         """Training tokens the unfinished runs will bring, at the mean of the runs so far."""

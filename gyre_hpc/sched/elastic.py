@@ -407,9 +407,8 @@ class ElasticPolicy:
 
     def _admitting(self, state: ClusterState, serving: list[CellState]) -> tuple[list[CellState], list[CellState]]:
         """A split held off-policy, no run to start before the update (``_release`` asks only
-        then): the engines that admit
-        every open run at once (``max_requests_per_engine`` each, their KV at ``fill``) stay,
-        the others may go; returns (released, staying)."""
+        then): the engines that admit every open run at once (``max_requests_per_engine`` each,
+        their KV at ``fill``) stay, the others may go; returns (released, staying)."""
         p = self.params
         runs = state.unfinished_runs
         if runs and not p.max_requests_per_engine:
