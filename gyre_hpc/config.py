@@ -209,6 +209,9 @@ class WarmstartConfig(_Section):
     teacher_give_up: float = Field(
         0.0, ge=0, le=1, description="share of the teacher's runs that stop at the retry instead of delegating "
                                      "(they score < 1): a decision the warm start inherits and RL can improve")
+    teacher_wrong_rate: float = Field(
+        0.0, ge=0, le=1, description="xlong: share of the reactive teacher's first writes that are wrong, so the "
+                                     "warm start sees a failed fix reported and recovered from")
     steps: int = Field(900, ge=1, description="optimizer steps (one packed row each)")
     lr: float = Field(1e-2, gt=0)
     row_tokens: int = Field(2048, ge=16)

@@ -88,7 +88,8 @@ def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
     t0 = time.perf_counter()
     harness = teacher_harness(cfg)
     ws = cfg.warmstart
-    runs = teacher_runs(_tasks(cfg), ws.runs_per_task, harness, seed=ws.seed, give_up=ws.teacher_give_up)
+    runs = teacher_runs(_tasks(cfg), ws.runs_per_task, harness, seed=ws.seed, give_up=ws.teacher_give_up,
+                       wrong_rate=ws.teacher_wrong_rate)
     teacher = runs.stats()
     log(f"[warmstart] {teacher['runs']} teacher runs, {teacher['calls_mean']:.1f} calls each, "
         f"{teacher['trained_tokens']} trained tokens ({time.perf_counter() - t0:.0f}s)")

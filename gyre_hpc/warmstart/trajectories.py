@@ -53,14 +53,17 @@ def playbook_of(task: Task):
     return PLAYBOOKS.get(task.task_id) or XLONG_PLAYBOOKS.get(task.task_id)
 
 
-def teacher_run(task: Task, g: int, seed: int, tokenizer: ChatTokenizer, give_up: float):
+def teacher_run(task: Task, g: int, seed: int, tokenizer: ChatTokenizer, give_up: float,
+                wrong_rate: float = 0.0):
     """Teacher run ``g`` of ``task``: (the task it runs, its scripted client). A ``long`` task
     runs itself with the plan follower (``give_up``: see ``teacher.main_plan``); an ``xlong``
     task runs its variant ``g`` (``tasks.xlong.repo_variant``: other wants, some modules
-    already right) with the reactive teacher, so the warm start learns to read the reports."""
+    already right) with the reactive teacher, so the warm start learns to read the reports.
+    ``wrong_rate``: the reactive teacher's share of first writes that are wrong
+    (``RepoTeacher``), so the data holds a failed fix and its recovery."""
     if task.task_id in XLONG_PLAYBOOKS:
         variant, playbook = repo_variant(task.task_id, g)
-        return variant, RepoTeacher(variant, seed=seed, playbook=playbook, tokenizer=tokenizer)
+        return variant, RepoTeacher(variant, seed=seed, playbook=playbook, tokenizer=tokenizer, wrong_rate=wrong_rate)
     return task, TeacherClient(task, seed=seed, tokenizer=tokenizer, give_up=give_up)
 
 
@@ -72,25 +75,26 @@ def teacher_variants(tasks: list[Task], runs_per_task: int) -> list[str]:
 
 
 async def _run_all(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, root: Path, seed: int,
-                   tokenizer: ChatTokenizer, give_up: float) -> list[RunResult]:
+                   tokenizer: ChatTokenizer, give_up: float, wrong_rate: float) -> list[RunResult]:
     runs = []
     for t in tasks:
         for g in range(runs_per_task):
             rid = f"teacher-{t.task_id}-{g}"
-            task, client = teacher_run(t, g, seed * 7919 + g, tokenizer, gives_up(g, give_up))
+            task, client = teacher_run(t, g, seed * 7919 + g, tokenizer, gives_up(g, give_up), wrong_rate)
             runs.append(AgentRun(task, root / rid, client, root / f"{rid}.jsonl", cfg, run_id=rid, tokenizer=tokenizer))
     return list(await asyncio.gather(*(r.run(resume=False) for r in runs)))
 
 
 def teacher_runs(tasks: list[Task], runs_per_task: int, cfg: HarnessConfig, seed: int = 0,
                  workdir: str | Path | None = None, tokenizer: ChatTokenizer | None = None,
-                 give_up: float = 0.0) -> TeacherRuns:
+                 give_up: float = 0.0, wrong_rate: float = 0.0) -> TeacherRuns:
     """``runs_per_task`` teacher runs of every task (seeds vary the detours), as trees; prompts
     and calls in ``tokenizer``'s ids (the embedded default unless given); ``give_up``: the
-    teacher's rate of giving up at the retry (``harness.teacher.main_plan``)."""
+    teacher's rate of giving up at the retry (``harness.teacher.main_plan``); ``wrong_rate``:
+    the ``xlong`` teacher's rate of wrong first writes (``teacher_run``)."""
     tokenizer = tokenizer or embedded_tokenizer()
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed, tokenizer, give_up))
+        results = asyncio.run(_run_all(tasks, runs_per_task, cfg, Path(tmp), seed, tokenizer, give_up, wrong_rate))
     failed = [r.run_id for r in results if r.status == "failed"]
     if failed:
         raise RuntimeError(f"teacher runs {failed[:3]} failed: {[r.error for r in results if r.error][:3]}")

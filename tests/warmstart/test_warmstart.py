@@ -82,3 +82,18 @@ def test_teacher_give_up_is_an_even_share_of_every_task_runs():
     assert [gives_up(g, 0.0) for g in range(4)] == [0.0] * 4
     assert [gives_up(g, 1.0) for g in range(3)] == [1.0] * 3
     assert sum(gives_up(g, 0.25) for g in range(8)) == 2
+
+
+def test_teacher_wrong_rate_reaches_the_xlong_teacher_and_the_cache_key(tmp_path):
+    """A wrong first write is reported and rewritten: the warm start's data holds the recovery."""
+    xcfg = build_config({"workload": "rl", "rollout": {"tasks": "xlong-mini", "max_new_tokens": 64,
+                                                        "context_limit": 4096, "subagent_turns": 80,
+                                                        "max_delegations": 12, "max_retries": 6,
+                                                        "tool_output_bytes": 192, "run_timeout_s": 600}},
+                        [f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.enabled=true"])
+    task = load_suite("xlong-mini")[:1]
+    plain, wrong = (teacher_runs(task, 1, teacher_harness(xcfg), wrong_rate=w) for w in (0.0, 1.0))
+    (p,), (w,) = plain.results, wrong.results
+    assert p.reward == w.reward == 1.0
+    assert len(w.calls) > len(p.calls)
+    assert warmstart_key(xcfg) != warmstart_key(build_config(xcfg.model_dump(), ["warmstart.teacher_wrong_rate=0.1"]))

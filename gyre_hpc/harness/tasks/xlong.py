@@ -160,20 +160,24 @@ def repo_task(task_id: str, packages: int, modules: int = MODULES, seed: int = 0
     return task, RepoPlaybook(tuple(mods))
 
 
-# The teacher's variants of a task for the warm start: the same shape, other wants, a fifth of
-# the modules already right. A warm start on the suite's own tasks can predict each next call
-# by its place in a memorised sequence (module after module, each want by heart); on variants
-# only what the last report says predicts it, so that is what the policy learns to read.
+# The teacher's variants of a task for the warm start: the same shape, other wants, and on odd
+# variants a fifth of the modules already right. A warm start on the suite's own tasks can
+# predict each next call by its place in a memorised sequence (module after module, each want
+# by heart); on variants only what the last report says predicts it, so that is what the policy
+# learns to read. Even variants start all broken, as the suite's tasks do: with every variant
+# part-fixed the first report ("0/85 pass, m00 first") was a state the warm start never saw,
+# and the policy misread its very first path.
 VARIANT_BROKEN = 0.8
 
 
 def repo_variant(task_id: str, k: int) -> tuple[Task, RepoPlaybook]:
-    """Variant ``k`` (0, 1, ...) of suite task ``task_id``, with its playbook."""
+    """Variant ``k`` (0, 1, ...) of suite task ``task_id``, with its playbook: all modules
+    broken for even ``k``, a share ``VARIANT_BROKEN`` for odd ``k``."""
     sizes = {**{t: (n, MODULES) for t, n in SIZES.items()}, **MINI_SIZES}
     if task_id not in sizes:
         raise ValueError(f"task {task_id!r} is not an xlong task; they are {', '.join(sizes)}")
     packages, modules = sizes[task_id]
-    return repo_task(task_id, packages, modules, seed=k + 1, broken=VARIANT_BROKEN)
+    return repo_task(task_id, packages, modules, seed=k + 1, broken=1.0 if k % 2 == 0 else VARIANT_BROKEN)
 
 
 _BUILT = {tid: repo_task(tid, n) for tid, n in SIZES.items()}
