@@ -106,7 +106,7 @@ class CommandResult:
     timed_out: bool
     truncated: bool
     wall_s: float
-    over_quota_mb: float | None = None   # killed holding this much, past Limits.workspace_mb
+    over_quota_mb: float | None = None   # left the workspace holding this much, past Limits.workspace_mb
     quota_mb: int | None = None
 
     @property
@@ -121,7 +121,8 @@ class CommandResult:
         if self.timed_out:
             return text + "\n[killed: wall-clock timeout]"
         if self.over_quota_mb is not None:
-            return text + (f"\n[killed: the workspace holds {self.over_quota_mb:.1f} MiB, past its quota of "
+            fate = "killed" if self.returncode is None else f"exit {self.returncode}"
+            return text + (f"\n[{fate}: the workspace holds {self.over_quota_mb:.1f} MiB, past its quota of "
                            f"{self.quota_mb} MiB; delete files to go on]")
         return text + ("" if self.returncode is None else f"\n[exit {self.returncode}]")
 
@@ -198,7 +199,10 @@ def run_confined(command: str, workspace: str | Path, limits: Limits = Limits(),
         jail.close()
     timed_out = killed == "timeout"
     rc = None if killed else proc.returncode
-    over = workspace_bytes(ws) / (1 << 20) if killed == "quota" else None
+    # Measured once more at the end: a command that writes past the quota and exits within
+    # one poll was never caught running, and what it left must still be reported.
+    held = workspace_bytes(ws)
+    over = held / (1 << 20) if killed == "quota" or (not timed_out and held > limits.workspace_mb * (1 << 20)) else None
     return CommandResult(rc, output, timed_out, truncated, time.monotonic() - start, over,
                          limits.workspace_mb if over is not None else None)
 

@@ -9,15 +9,13 @@ requests in the batch change the order of the sums. These kernels fix every redu
 so that it depends only on the token's own context, never on what it was computed beside
 (the idea of vLLM's and SGLang's batch-invariant kernels, here on CPU):
 
-* **Matrix products** run with their rows padded to a multiple of ``ROW_TILE`` (4) and at least
-  ``MIN_COLUMNS`` (16) columns. Seen on this project's CPUs (MKL and oneDNN on AVX-512, and
-  with torch and MKL held to AVX2 or the default ISA): a product whose row count is 1-3, 5-7 or
-  9-11, or whose column count is under ~10, takes a kernel whose sums run in another order;
-  row counts of 4, 8 and 12 or more, with 16 or more columns, all compute each element with one
-  accumulation order for a given reduction length K, however many rows are beside it. So a
-  row's result is a function of that row alone. ``tests/models/test_invariant.py`` checks
-  exactly this on the machine it runs on, so a machine whose BLAS behaves otherwise fails
-  loudly instead of training on silently different numbers.
+* **Matrix products** are bag sums (``linear``; the kernels are described under attention):
+  an output element is one fused multiply-add after another over the input features in
+  order, then the bias, the same chain for a row alone, in a batch, in a packed tree or in a
+  prefill chunk. BLAS products are not: MKL picks its kernel, its blocking and how it splits
+  a sum by the row count, the thread count and the CPU it finds (seen: rows padded to a
+  multiple of 4 were invariant on one Xeon, not on the next one nor on CI's host, for 128 or
+  more input features). A bag product takes ~3-4x BLAS's time on this project's shapes.
 * **Attention** sums with ``embedding_bag`` (FBGEMM's kernels): a bag sum is, per output
   element, one fused multiply-add after another over the bag's terms in their order, from 0,
   whatever other bags and lanes share the call; nothing is summed across vector lanes, so the
@@ -37,7 +35,7 @@ so that it depends only on the token's own context, never on what it was compute
 RMSNorm (a mean over one row), rotary positions (computed per element in float64),
 embeddings and ``log_softmax`` over a row are invariant as they are.
 
-What it costs: small products padded to 4 rows, attention sums in bag kernels (a decode
+What it costs: products and attention sums in bag kernels (a decode
 step reads K^T and V where the engine's cache holds them; they run near BLAS speed but
 ``exp``, the maximum and the masks are separate passes and each layer is some 30 small torch
 calls where SDPA is one), SiLU in four passes; ``bench engines`` reports the tokens/s ratio
@@ -49,13 +47,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_TILE = 4       # rows of every product are padded to a multiple of this
-MIN_COLUMNS = 16   # the fewest columns of any product
 KEY_BLOCK = 64     # copied K^T tables are this many keys wide or a multiple: bag kernels are compiled per width
 QUERY_ROWS = 128   # query rows per tile: its scores stay in L2 (any value gives the same bits)
 LANES = 16         # a by-keys tile's query rows are padded to a multiple of this (a vector)
 KEYS_FIRST = 32    # tiles of at least this many query rows per kv head sum by keys
 KEY_CHUNK = 1024   # by keys, the values bags take at most this many keys at a time (P^T ~ L2)
+KEPT_ROW_INDICES = 1 << 16  # a weight keeps its products' bag index lists up to this many indices
 MAX_KEPT_INDICES = 1 << 22   # a memo keeps bag index lists of at most this many indices in all
 MAX_KEPT = 64                # and at most this many lists and masks
 
@@ -66,22 +63,85 @@ def round_up(n: int, tile: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose every output row is a function of its input row alone.
+    """``F.linear`` whose every output element is a bag sum over its row's input features in
+    order (the module docstring), so a row's result is a function of that row alone. Under
+    autograd the gradient is ``F.linear``'s (a gradient needs no fixed order)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _Linear.apply(x, weight, bias)
+    return _bag_linear(x, weight, bias)
 
-    Rows are padded with zeros to a multiple of ``ROW_TILE`` (at least one tile), so the
-    product never takes an odd-row kernel; the padding rows are dropped from the result.
-    """
-    if weight.shape[0] < MIN_COLUMNS:
-        raise ValueError(f"invariant.linear: {weight.shape[0]} output features; the invariant kernels need "
-                         f">= {MIN_COLUMNS} (pad the layer)")
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
+
+def _bag_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One bag per row of ``x``: the input features' indices 0..K-1 into W^T, weighted by the
+    row (so the kernel's vector lanes run over the output features, never along the sum)."""
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
-    padded = max(ROW_TILE, round_up(m, ROW_TILE))
-    if padded == m:   # the same 2-D product, without the slicing
-        return F.linear(rows, weight, bias).view(*lead, weight.shape[0])
-    rows = F.pad(rows, (0, 0, 0, padded - m))
-    return F.linear(rows, weight, bias)[:m].reshape(*lead, weight.shape[0])
+    if m == 0:
+        return x.new_empty(*lead, n)
+    table, indices, offsets = _Kept.of(weight).bags(m)
+    out = F.embedding_bag(indices, table, offsets, mode="sum", per_sample_weights=rows.view(-1))
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*lead, n)
+
+
+class _Kept:
+    """What a weight keeps for its products while its data is unchanged: W^T (the bags'
+    table; a copy per call cost as much as the decode step's bag sums) and the bag index
+    lists of up to ``KEPT_ROW_INDICES`` indices (a prefix serves any fewer rows). Kept on
+    the weight tensor itself, so it lives and dies with the weights it was built from; an
+    in-place update (an optimizer step, a weight push) changes ``_version``, a new tensor
+    its ``data_ptr``, and either rebuilds it."""
+
+    __slots__ = ("key", "table", "indices", "offsets")
+
+    def __init__(self, weight: torch.Tensor):
+        self.key = (weight.data_ptr(), weight._version)
+        self.table = weight.detach().t().contiguous()
+        self.indices = self.offsets = None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "_Kept":
+        kept = getattr(weight, "_invariant_kept", None)
+        if kept is None or kept.key != (weight.data_ptr(), weight._version):
+            kept = cls(weight)
+            weight._invariant_kept = kept
+        return kept
+
+    def bags(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(table, indices, offsets) of ``m`` bags, each the K rows of the table in order."""
+        k, device = self.table.shape[0], self.table.device
+        if self.offsets is not None and self.offsets.shape[0] >= m:
+            return self.table, self.indices[:m * k], self.offsets[:m]
+        rows = max(m, KEPT_ROW_INDICES // k)
+        indices = torch.arange(k, device=device).repeat(rows)
+        offsets = torch.arange(0, rows * k, k, device=device)
+        if rows * k <= KEPT_ROW_INDICES:
+            self.indices, self.offsets = indices, offsets
+        return self.table, indices[:m * k], offsets[:m]
+
+
+class _Linear(torch.autograd.Function):
+    """The bag sums forward, ``F.linear``'s gradient backward: torch's embedding_bag backward
+    is a generic scatter, and the gradient of a product needs no fixed summation order."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _bag_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        k, n = x.shape[-1], weight.shape[0]
+        g = grad.reshape(-1, n)
+        grad_x = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = g.t() @ x.reshape(-1, k) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
