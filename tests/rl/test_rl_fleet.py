@@ -133,19 +133,23 @@ def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
     assert list(steps["pre_update_clip_share"]) == [0.0, 0.0] and list(steps["behaviour_kl"]) == [0.0, 0.0]
 
 
-def advantage_weighted_logprob_change(run: RunDir, cfg) -> list[float]:
-    """Per step: the mean over its runs of advantage x (the final policy's mean token logprob of
-    the run - the initial policy's). Positive where training moved the policy toward the runs
-    that scored above their group and away from those below: what a policy gradient does,
-    whatever the sampled rewards' noise (16 runs a step)."""
+def last_update_objective_change(run: RunDir, cfg) -> float:
+    """How much the last step's update raised that step's own policy-gradient objective: the
+    mean over the step's runs of advantage x the run's mean token logprob (the loss's averaging,
+    at importance ratio 1), under the latest checkpoint's policy minus the one before it.
+
+    Exactly 0 if the update changed nothing; negative for an update that moved the policy
+    away from the runs that scored above their group (a flipped advantage, a lost gradient)."""
     from gyre_hpc.trees.attention import tree_attention
     from gyre_hpc.trees.loss import group_advantages, packed_token_logprobs
     from gyre_hpc.trees.packing import collate, pack
     from gyre_hpc.trees.store import TreeStore
 
-    initial = RLTrainer(cfg).model
-    final = RLTrainer(cfg)
-    final.load(checkpoint.latest_dir(run.checkpoints))
+    kept = sorted(p for p in run.checkpoints.iterdir() if p.name.startswith("step-") and p.is_dir())
+    assert len(kept) >= 2, kept
+    before, after = RLTrainer(cfg), RLTrainer(cfg)
+    before.load(kept[-2])
+    after.load(kept[-1])
 
     def mean_logp(model, tree) -> float:
         batch = collate(pack([tree], 1 << 20))
@@ -158,23 +162,21 @@ def advantage_weighted_logprob_change(run: RunDir, cfg) -> list[float]:
     with TreeStore.open(run.trees, "r") as store:
         trees = list(store)
     per_step = cfg.rollout.tasks_per_step * cfg.rollout.runs_per_task     # on-policy: steps commit in order
-    out = []
-    for lo in range(0, len(trees), per_step):
-        step = trees[lo:lo + per_step]
-        adv = group_advantages([t.reward for t in step], [t.task_id for t in step])
-        change = [mean_logp(final.model, t) - mean_logp(initial, t) for t in step]
-        out.append(float(np.dot(adv, change)) / len(step))
-    return out
+    step = trees[-per_step:]
+    adv = group_advantages([t.reward for t in step], [t.task_id for t in step])
+    change = [mean_logp(after.model, t) - mean_logp(before.model, t) for t in step]
+    return float(np.dot(adv, change)) / len(step)
 
 
 def test_easy_job_completes_writes_outputs_and_trains_toward_rewarded_runs(tmp_path):
     """``gyre-hpc run examples/easy.yaml``: local launcher, elastic, 3 cells, the easy suite.
 
-    Learning is checked on the policy, not on the sampled reward: 8 steps of 16 runs are too
-    few for the mean reward to rise on every seed (2026-12-03, 16 steps, seeds 0/1/2: first
-    two steps 0.453/0.516/0.484, last two 0.445/0.586/0.570; seed 0 passed a rise threshold
-    with the earlier attention kernels and failed it with the same run's sixth step sampled one
-    token differently). The advantage-weighted logprob change was 0.46/0.51/0.54 on those runs."""
+    Learning is checked on the last update, not on the sampled reward nor on the whole run: 8
+    steps of 16 runs are too few for the mean reward to rise on every seed, and the final
+    policy's move toward each step's above-group runs (this test's check until 2026-12-05) is
+    noise-dominated: seeds 0-11 gave -0.28 to 0.65, two under its 0.1 threshold, and seed 0
+    failed CI. The last update's change of its own step's objective was positive on all 12
+    (0.019-0.248, 2026-12-05)."""
     run = RunDir.at(tmp_path / "run")
     gyre = str(Path(sys.executable).with_name("gyre-hpc"))
     proc = subprocess.run([gyre, "run", "examples/easy.yaml", "--set",
@@ -190,10 +192,10 @@ def test_easy_job_completes_writes_outputs_and_trains_toward_rewarded_runs(tmp_p
     assert {"config.json", "model.safetensors", "optimizer.safetensors"} <= {p.name for p in latest.iterdir()}
     steps = read_table(run.metrics, "steps")
     assert list(steps["step"]) == list(range(1, 9))
-    moved = advantage_weighted_logprob_change(run, load_config(REPO / "examples/easy.yaml", [f"run_dir={run.root}"]))
+    raised = last_update_objective_change(run, load_config(REPO / "examples/easy.yaml", [f"run_dir={run.root}"]))
     print(f"mean reward per step {np.round(steps['reward_mean'], 3).tolist()}; "
-          f"advantage-weighted logprob change per step {np.round(moved, 3).tolist()}")
-    assert len(moved) == 8 and float(np.mean(moved)) > 0.1, moved
+          f"the last update raised its step's objective by {raised:.4f}")
+    assert raised > 0.0
     # Whether elastic flips here depends on measured speeds (flips are pinned by the tests
     # above and by the e2e benchmark); what must hold is that nothing ran twice.
     assert int(read_table(run.metrics, "runs")["restarts"].sum()) == 0
