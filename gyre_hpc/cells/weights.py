@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch.autograd.graph import increment_version
 
 DEFAULT_CHUNK_BYTES = 32 << 20
 # Pieces at least this big are sent in place rather than packed with their neighbours.
@@ -149,6 +150,12 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
             for p in packed:
                 views[p.index][p.start:p.stop] = buf[pos:pos + p.stop - p.start]
                 pos += p.stop - p.start
+    if not is_root:
+        # MPI wrote the bytes behind torch's back: bump each tensor's version as an in-place
+        # op would, or what is kept for a weight while it is unchanged (the invariant
+        # kernels' W^T, ``models.invariant._Kept``) would go on serving the old weights.
+        for t in tensors:
+            increment_version(t)
     if not is_root and into is not None:
         for s, t in zip(specs, tensors):
             target = into[s.name]

@@ -35,8 +35,12 @@ for chunk_bytes in chunk_sizes:
     elif rank == 1:
         # Receive in place into tensors of the right shape holding other values.
         into = {k: torch.zeros_like(v) for k, v in ref.items()}
+        before = {k: t._version for k, t in into.items()}
         got, stats = weights.bcast_state_dict(None, world, into=into, chunk_bytes=chunk_bytes)
         assert all(got[k].data_ptr() == into[k].data_ptr() for k in ref if ref[k].numel()), "not received in place"
+        # torch saw each tensor change, as after an in-place op (what is cached on a weight
+        # while it is unchanged, such as models.invariant's W^T, is rebuilt)
+        assert all(into[k]._version > before[k] for k in ref), {k: (before[k], into[k]._version) for k in ref}
     elif rank == 2:
         # A non-contiguous target (a transposed view, like a device tensor) is filled via a host buffer.
         into = {k: torch.zeros_like(v) for k, v in ref.items()}
