@@ -122,7 +122,9 @@ class CellRank:
         train_comm waits for ``meet_train``."""
         if self.rank_comms.train is not None:
             raise RuntimeError(f"rank {self.rank}: in-place join while it holds a train_comm")
-        check_in_place(cell_of_rank(new, self.rank).id, self.rank, self.workload.applied_updates(), cmd.updates)
+        cell = cell_of_rank(new, self.rank).id
+        held = self.workload.weights_version() if cell in cmd.weights_only else self.workload.applied_updates()
+        check_in_place(cell, self.rank, held, cmd.updates)
         self.cells = new
         self.workload.zero_grads()
         checksum = weights.state_checksum(self.workload.state_dict()) if cmd.checksums else None

@@ -46,6 +46,7 @@ class FlipRecord:
     source_checksum: str | None = None
     reason: str = ""
     in_place: bool = False   # joined without the replicas (``Controller.flip_begin``)
+    weights_only: bool = False   # ...holding the core's weights but not its moments
 
 
 @dataclass
@@ -59,6 +60,7 @@ class PendingFlip:
     targets: list[int]
     start: float
     in_place: bool = False
+    weights_only: frozenset[int] = frozenset()
     replies: dict[int, protocol.FlipReport] = field(default_factory=dict)
 
     @property
@@ -77,6 +79,8 @@ class StepRecord:
     tokens: int
     policy_version: int
     checksums: dict[int, str] | None = None   # world rank -> state checksum after the step
+    # world rank -> checksum of the weights alone (every TRAIN rank's, weights-only ones too)
+    weights_checksums: dict[int, str] | None = None
 
 
 @dataclass
@@ -280,7 +284,8 @@ class Controller:
         return self.flip_end(pending)
 
     def flip_begin(self, step: int, round_: int, changes: list[RoleChange],
-                   bystanders: frozenset[int] = frozenset(), in_place: bool = False) -> PendingFlip:
+                   bystanders: frozenset[int] = frozenset(), in_place: bool = False,
+                   weights_only: frozenset[int] = frozenset()) -> PendingFlip:
         """Send the flip and return at once: the ranks answer once they reach it (a replica
         after the micro-batch in hand), and the caller keeps the rest of the fleet working.
 
@@ -293,7 +298,8 @@ class Controller:
         core's whole state (the caller knows: they applied the last update with it). Only the
         joiners take part, so they train at once instead of waiting for every replica's
         micro-batch in hand; the train_comm is re-derived when the TRAIN ranks next meet
-        (``train_comm_behind``).
+        (``train_comm_behind``). ``weights_only``: joiners in place among them that hold the
+        core's weights but not its optimizer moments (``protocol.Flip.weights_only``).
         """
         if self._pending_flip is not None:
             raise RuntimeError(f"flip of step {step}: the flip of step {self._pending_flip.step} is still in flight")
@@ -307,6 +313,9 @@ class Controller:
             needed = {r for c in new if c.id in flipping for r in c.ranks}
         else:
             needed = {r for c in self.cells + new if c.role is Role.TRAIN or c.id in flipping for r in c.ranks}
+        if weights_only and not (in_place and weights_only <= flipping):
+            raise ValueError(f"flip of cells {sorted(flipping)}: weights-only joiners {sorted(weights_only)} "
+                             f"must be joiners in place")
         if needed & set(bystanders):
             raise ValueError(f"flip of cells {sorted(flipping)}: ranks {sorted(needed & set(bystanders))} must take "
                              f"part (TRAIN or flipping), they cannot be bystanders")
@@ -318,8 +327,8 @@ class Controller:
         cmd = protocol.Flip(step=step, changes=tuple((ch.cell, Role(ch.to).value) for ch in changes),
                             checksums=self.verify_weights,
                             before=tuple((c.id, c.role.value) for c in self.cells), in_place=in_place,
-                            updates=self.policy_version if in_place else -1)
-        self._pending_flip = PendingFlip(step, round_, list(changes), new, targets, start, in_place)
+                            updates=self.policy_version if in_place else -1, weights_only=tuple(sorted(weights_only)))
+        self._pending_flip = PendingFlip(step, round_, list(changes), new, targets, start, in_place, weights_only)
         self.broadcast(cmd, targets)
         return self._pending_flip
 
@@ -354,10 +363,11 @@ class Controller:
                 comm_s=max(r.comm_s for r in reps), transfer_s=max(r.transfer_s for r in reps),
                 checksum=replies[cell.leader].checksum,
                 source_checksum=replies[source].checksum if source in replies else None,
-                reason=ch.reason, in_place=pending.in_place))
+                reason=ch.reason, in_place=pending.in_place, weights_only=cell.id in pending.weights_only))
         self.metrics.append([TimelineRow(time=end, cell=r.cell, role=r.to, event="flip_end", step=pending.step,
                                          duration_s=r.duration_s, bytes=r.bytes,
-                                         detail=f"round {r.round}" + (" in place" if r.in_place else ""))
+                                         detail=f"round {r.round}" + (" in place" if r.in_place else "")
+                                         + (", weights only" if r.weights_only else ""))
                              for r in records])
         self.result.flips.extend(records)
         return records

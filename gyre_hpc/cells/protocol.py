@@ -34,6 +34,11 @@ class Flip:
     # an in-place joiner must hold exactly as many, or it would train on a state the core left
     # behind (its gradients averaged into the step without an error). -1: not checked.
     updates: int = -1
+    # Joiners in place that hold the core's weights but not its optimizer moments (engines
+    # sent the last update's weights, which never applied it): checked against ``updates`` by
+    # the version of their weights; they add gradients to the step and take the updated
+    # weights from the core at its allreduce instead of applying the update.
+    weights_only: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

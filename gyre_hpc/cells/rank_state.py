@@ -27,6 +27,11 @@ class RankState(Protocol):
         """Optimizer updates the state holds (applied here, received with it, or loaded): a
         join in place checks it against the core's before training on it."""
 
+    def weights_version(self) -> int:
+        """Optimizer updates the weights hold, at least ``applied_updates``: more when weights
+        arrived without the moments (an engine's push). A join that keeps its own moments
+        checks ``applied_updates``; a weights-only join (``protocol.Flip.weights_only``) this."""
+
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
         """Write the state a checkpoint holds into ``directory`` (the core leader only)."""
 

@@ -62,11 +62,11 @@ class ClusterView:
             self._inflight_integral[e] = self._inflight_integral.get(e, 0.0) + dt * len(router.inflight(e))
 
     def state(self, st: StepState, ahead: StepState | None = None,
-              current: frozenset[int] = frozenset()) -> ClusterState:
+              has_weights: frozenset[int] = frozenset()) -> ClusterState:
         """The view while step ``st`` is the one training, with ``ahead`` the next step's runs
         rolling out ahead of it (async). Open runs are both steps' (the engines serve both),
-        as the simulator counts them; the training work expected is ``st``'s. ``current``: the
-        cells that hold the core's state (they join in place; ``Flips.current``)."""
+        as the simulator counts them; the training work expected is ``st``'s. ``has_weights``:
+        the cells that hold the current weights (they join in place; ``Flips.has_weights``)."""
         self._sample_cells(st)
         router, speeds, cells = self.pool.router, self.queue.speeds, self.fleet.cells
         inflight = router.inflight()
@@ -107,11 +107,11 @@ class ClusterView:
                             demand_over_capacity_s=self.demand.update(time.monotonic(), queued, len(inflight),
                                                                       len(serving)),
                             tail_runs=len(tail),
-                            **self.switch_costs(all(c.id in current for c in cells if c.role is Role.ROLLOUT)))
+                            **self.switch_costs(all(c.id in has_weights for c in cells if c.role is Role.ROLLOUT)))
 
     def switch_costs(self, in_place: bool) -> dict[str, float]:
         """The flip costs the policy plans with: this fleet's own last flip of the kind a
-        release would be now (``in_place``: every engine holds the core's state, as the
+        release would be now (``in_place``: every engine holds the current weights, as the
         simulator's ``Fleet.join_s`` decides it), and back; before one, its measured weight
         broadcast (x ``STATE_BYTES_PER_WEIGHT_BYTE`` to TRAIN, where the optimizer state moves
         too); before that, nothing (the state's defaults). A join in place never measured

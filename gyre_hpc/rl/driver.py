@@ -159,19 +159,22 @@ class RLStepDriver:
         n_runs = step_denominator([run_targets(o.tree, self.cfg.train.shared_targets) for o in outs],
                                   self.cfg.train.averaging)
         ranks = train_ranks(self.fleet.cells)
-        checksums, optimizer_s, sync_s, sync_bytes = None, 0.0, 0.0, 0
+        checksums, weights_checksums, optimizer_s, sync_s, sync_bytes = None, None, 0.0, 0.0, 0
         if n_runs:
             t_opt = time.perf_counter()
             version = self.fleet.policy_version + 1
-            reps = self.train.optimizer_step(st.step, n_runs, version, ranks)
-            self.flips.updated(frozenset(c.id for c in self.fleet.cells if c.role is Role.TRAIN))
+            training = frozenset(c.id for c in self.fleet.cells if c.role is Role.TRAIN)
+            reps = self.train.optimizer_step(st.step, n_runs, version, ranks,
+                                             weights_from_core=bool(self.flips.weights_only & training))
             t_sync = time.perf_counter()
             optimizer_s = t_sync - t_opt
             sync_bytes = self.engines.push_weights(st.step, version)
             sync_s = time.perf_counter() - t_sync
+            self.flips.updated(training, self.engines.pushed)
             self.fleet.policy_version = version
             if self.fleet.verify_weights:
-                checksums = {r: rep.checksum for r, rep in reps.items()}
+                checksums = {r: rep.checksum for r, rep in reps.items() if rep.checksum is not None}
+                weights_checksums = {r: rep.weights_checksum for r, rep in reps.items()}
         # The store index past this step's own trees, not the store's length: a relaunch that
         # redoes several steps finds the later steps' committed trees still ahead of it (a kill
         # between checkpoints, train.checkpoint_every > 1) and reuses them instead of rolling
@@ -185,7 +188,7 @@ class RLStepDriver:
             train_cells=tuple(c.id for c in self.fleet.cells if c.role is Role.TRAIN), runs=len(outs),
             migrations=sum(o.migrations for o in outs), restarts=sum(o.restarts for o in outs),
             flips=len(st.flips), optimizer_s=optimizer_s, weight_sync_s=sync_s, weight_sync_bytes=sync_bytes,
-            checksums=checksums, recomputed_prefill_tokens=self.engines.recomputed_since_last(),
+            checksums=checksums, weights_checksums=weights_checksums, recomputed_prefill_tokens=self.engines.recomputed_since_last(),
             gap=functools.reduce(LogprobGap.merge, st.gaps.values(), LogprobGap()))
         now = time.time()
         if self.cfg.cells.device == "paced":

@@ -77,6 +77,7 @@ class EnginePool:
         self.pace: dict[int, dict | None] = {}     # cell -> its engine's last pace record
         self.counters: dict[int, object] = {}      # engine -> counters at its last pause
         self.push_s: float | None = None           # the latest measured weight broadcast to the engines
+        self.pushed: frozenset[int] = frozenset()   # the engines the latest push reached
         self._recomputed_mark = 0                  # recomputed prefill counted in earlier steps
         self._paced = fleet.cfg.cells.device == "paced"
 
@@ -109,6 +110,7 @@ class EnginePool:
         """The core leader broadcasts the new weights into every serving engine (one chunked
         broadcast, in place, not through this rank); returns the bytes each received."""
         engines = sorted(e for e in self.router.engines if e in self.serving)
+        self.pushed = frozenset(engines)
         if not engines:
             return 0
         members = (core_cell(self.fleet.cells).leader,) + tuple(self.fleet.cell(e).leader for e in engines)

@@ -12,9 +12,14 @@ A released cell that applied the step's last update with the replicas (it traine
 end of the previous step, which an elastic fleet's cells all do; in a launch's first step,
 every cell, from the start-up broadcast) already holds the core's weights and optimizer
 moments: it joins in place (``Controller.flip_begin``), alone, and takes micro-batches at
-once; the replicas learn of it when they meet for the step's allreduce. Otherwise (a cell that
-served while an update was applied without it) it waits for the replicas' micro-batches in
-hand and receives the whole state.
+once; the replicas learn of it when they meet for the step's allreduce. A cell that served
+while an update was applied without it holds that update's weights (every serving engine is
+sent them right after it) but not the moments: it joins in place all the same, weights only.
+Its gradients are the step's like any replica's, since they need the weights and nothing
+else; at the update it adds them to the allreduce and, instead of applying the update with
+moments it does not hold, takes the new weights from the core (``messages.Finish``). Only a
+cell that holds neither waits for the replicas' micro-batches in hand and receives the whole
+state.
 
 The flip is sent and then left to complete (``start``, then ``finish`` once every rank in it
 has answered): waiting for a replica's micro-batch in hand (seconds when paced) must not stop
@@ -42,10 +47,17 @@ class Flips:
         # start-up broadcast (``cells.fleet``) gave each the core's weights and moments, fresh or
         # from the checkpoint. Then the cells that applied the last update together (``updated``).
         self.current: frozenset[int] = frozenset(c.id for c in fleet.cells)
+        # Cells whose ranks hold the current version's weights: those in ``current``, the
+        # weights-only replicas, and the engines the last update was pushed to.
+        self.has_weights: frozenset[int] = self.current
+        # TRAIN cells that joined weights only: they take the core's weights at each update.
+        self.weights_only: frozenset[int] = frozenset()
 
-    def updated(self, train_cells: frozenset[int]) -> None:
-        """The TRAIN cells that just applied an optimizer step together."""
-        self.current = train_cells
+    def updated(self, train_cells: frozenset[int], pushed: frozenset[int]) -> None:
+        """An optimizer step was applied by ``train_cells`` (the weights-only ones took its
+        weights from the core) and its weights sent to the engines ``pushed``."""
+        self.current = train_cells - self.weights_only
+        self.has_weights = train_cells | pushed
 
     def consult(self, st: StepState, ahead: StepState | None = None) -> None:
         """Ask the policy on the live view (``ahead``: the next step rolling out ahead, async)
@@ -57,7 +69,7 @@ class Flips:
             # plans from training rates (elastic) would rest on a made-up one. The first report
             # comes within one micro-batch; from then on every cell plans with the measured rate.
             return
-        changes = self.fleet.decide(self.view.state(st, ahead, self.current))
+        changes = self.fleet.decide(self.view.state(st, ahead, self.has_weights))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.fleet.cells
                          if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]
@@ -81,9 +93,10 @@ class Flips:
         self.pool.pause([cid for cid in releasing if cid in self.pool.serving])
         before = {c.id: c.role for c in self.fleet.cells}
         bystanders = frozenset(r for cid in self.pool.serving for r in self.fleet.cell(cid).ranks)
-        in_place = all(Role(ch.to) is Role.TRAIN and ch.cell in self.current for ch in changes)
+        in_place = all(Role(ch.to) is Role.TRAIN and ch.cell in self.has_weights for ch in changes)
+        weights_only = frozenset(ch.cell for ch in changes if ch.cell not in self.current) if in_place else frozenset()
         self.pending = (self.fleet.flip_begin(st.step, len(st.flips), changes, bystanders=bystanders,
-                                              in_place=in_place), before, t0)
+                                              in_place=in_place, weights_only=weights_only), before, t0)
 
     def finish(self, st: StepState) -> list[FlipRecord]:
         """End the flip in flight if every rank has answered: a leaver's share back to the
@@ -101,8 +114,13 @@ class Flips:
             if before[c.id] is not Role.ROLLOUT and c.role is Role.ROLLOUT:
                 self.pool.router.add_engine(c.id)
         took = time.perf_counter() - t0
-        # A joiner that received the core's state holds it now, as one in place does.
-        self.current |= frozenset(r.cell for r in records if Role(r.to) is Role.TRAIN)
+        # A joiner that received the core's state holds it now, as one in place does; a
+        # weights-only joiner holds the weights alone until it leaves TRAIN.
+        joined = frozenset(r.cell for r in records if Role(r.to) is Role.TRAIN)
+        only = frozenset(r.cell for r in records if r.weights_only)
+        self.current |= joined - only
+        self.has_weights |= joined
+        self.weights_only = (self.weights_only | only) - frozenset(r.cell for r in records if Role(r.to) is Role.ROLLOUT)
         for r in records:
             kind = "rollout" if Role(r.to) is Role.ROLLOUT else "in_place" if pending.in_place else "moved"
             self.view.switch_s[kind] = took

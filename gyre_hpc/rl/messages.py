@@ -43,6 +43,9 @@ class Finish:
     # Every cell's role, when cells joined TRAIN in place this step: the TRAIN ranks
     # re-derive train_comm together before the allreduce (``CellRank.meet_train``).
     roles: tuple[tuple[int, str], ...] = ()
+    # Some TRAIN ranks hold the weights without the moments (weights-only joins): after the
+    # allreduce the core leader broadcasts the updated weights over train_comm to all of them.
+    weights_from_core: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,5 +82,6 @@ class FinishReport:
     rank: int
     seconds: float
     replicas: float                 # total weight of the allreduce: replicas that took part
-    checksum: str | None = None
+    checksum: str | None = None     # weights and moments (None on a rank that holds the weights alone)
     train_members: tuple[int, ...] | None = None   # train_comm re-derived by Finish.roles
+    weights_checksum: str | None = None

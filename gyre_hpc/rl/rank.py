@@ -61,6 +61,7 @@ class RLRankHandler:
         tensors (shared with this rank's trainer), then the engine decodes as ``version``."""
         version, members = payload
         stats = self.weights_channel.receive(self.trainer.model_state(), tuple(members))
+        self.trainer.weights_received(version)
         self.adopt(version)
         return {"bytes": stats.bytes, "seconds": stats.seconds, "version": version}
 
@@ -99,8 +100,26 @@ class RLRankHandler:
         members = cell_rank.meet_train(cmd.roles) if cmd.roles else None
         # weight 1 per replica: the mean times the replica count is the SUM the loss module asks for.
         stats = gradsync.allreduce_mean(self.trainer.grad_tensors(), cell_rank.rank_comms.train, weight=1.0)
-        self.trainer.apply_update(stats.total_weight / max(cmd.n_runs, 1))
+        moments = self.trainer.holds_moments
+        if moments:
+            self.trainer.apply_update(stats.total_weight / max(cmd.n_runs, 1))
+        else:
+            self.trainer.zero_grads()   # its moments are an older version's: the core's weights follow
+        if cmd.weights_from_core:
+            train = cell_rank.rank_comms.train   # the core leader first (``comms.RankComms``)
+            root = train.Get_rank() == 0
+            weights.bcast_state_dict(self.trainer.model_state() if root else None, train, root=0,
+                                     into=None if root else self.trainer.model_state(),
+                                     chunk_bytes=cell_rank.chunk_bytes)
+            if not moments:
+                self.trainer.weights_received(cmd.policy_version)
+        elif not moments:
+            raise RuntimeError(f"rank {cell_rank.rank}: step {cmd.step}'s update came without the core's weights, "
+                               f"but this rank holds no optimizer moments for its weights to apply it")
         # A TorchEngine decodes with these very tensors: it only learns their version.
         self.adopt(cmd.policy_version)
-        checksum = weights.state_checksum(self.trainer.state_dict()) if cmd.checksums else None
-        return messages.FinishReport(cell_rank.rank, time.perf_counter() - t0, stats.total_weight, checksum, members)
+        # A weights-only rank's moments are not the core's: only its weights are checked.
+        checksum = weights.state_checksum(self.trainer.state_dict()) if cmd.checksums and moments else None
+        weights_checksum = weights.state_checksum(self.trainer.model_state()) if cmd.checksums else None
+        return messages.FinishReport(cell_rank.rank, time.perf_counter() - t0, stats.total_weight, checksum, members,
+                                     weights_checksum)

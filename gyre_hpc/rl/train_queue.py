@@ -153,11 +153,14 @@ class TrainQueue:
     def trained_tokens(self, st: StepState) -> int:
         return sum(mb.loss_tokens for v in st.done_by.values() for mb in v)
 
-    def optimizer_step(self, step: int, n_runs: int, version: int, ranks: list[int]) -> dict:
-        """Allreduce and optimizer step on every TRAIN rank; their replies, checked: a rank that
-        reduced over another set of replicas would have averaged the wrong gradients."""
+    def optimizer_step(self, step: int, n_runs: int, version: int, ranks: list[int],
+                       weights_from_core: bool = False) -> dict:
+        """Allreduce and optimizer step on every TRAIN rank (``weights_from_core``: some hold the
+        weights alone and take the updated ones from the core); their replies, checked: a rank
+        that reduced over another set of replicas would have averaged the wrong gradients."""
         roles = tuple((c.id, c.role.value) for c in self.fleet.cells) if self.fleet.train_comm_behind else ()
-        self.fleet.broadcast(messages.Finish(step, n_runs, version, self.fleet.verify_weights, roles), ranks)
+        self.fleet.broadcast(messages.Finish(step, n_runs, version, self.fleet.verify_weights, roles,
+                                             weights_from_core), ranks)
         reps = self.fleet.collect(ranks)
         bad = [r for r, rep in reps.items() if int(round(rep.replicas)) != len(ranks)]
         if bad:

@@ -96,6 +96,7 @@ class RLTrainer:
         for p in self.params:
             self.opt.state[p] = {"step": torch.zeros((), dtype=torch.float32),
                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        self._weights_received = 0
         self.zero_grads()
 
     # ---- what moves on a flip and goes into checkpoints ---------------------------------
@@ -140,6 +141,20 @@ class RLTrainer:
     def applied_updates(self) -> int:
         """AdamW's step count: it travels with the state (flips, checkpoints)."""
         return int(self.opt.state[self.params[0]]["step"].item()) if self.params else 0
+
+    def weights_version(self) -> int:
+        """The updates the weights hold: the moments' count, or a later version received
+        into the weights alone (``weights_received``)."""
+        return max(self.applied_updates(), self._weights_received)
+
+    def weights_received(self, version: int) -> None:
+        """The model's tensors were just overwritten with ``version``'s weights, not its moments."""
+        self._weights_received = version
+
+    @property
+    def holds_moments(self) -> bool:
+        """Whether the optimizer moments belong to the weights (so an update may be applied here)."""
+        return self.applied_updates() == self.weights_version()
 
     def apply_update(self, scale: float) -> None:
         """Optimizer step on the (summed) gradients times ``scale`` (1 / runs in the step)."""

@@ -31,7 +31,8 @@ the others train the running step, if that pays, and return, all at once, when a
 start (or a call waits for an engine). The runs in a step's tail then decode on fewer engines,
 more slowly; they are trained in the next step, which starts on the runs already done. A cell
 that trained the last update holds the core's state and joins in place; the split's engines
-never train, so theirs moves the state. The rule is opt-in (``max_requests_per_engine``):
+never train, but each update's weights are sent to them, so they join in place too, weights
+only (``rl.flips``). The rule is opt-in (``max_requests_per_engine``):
 measured on paced cells it lost to the split it holds (docs/rl.md).
 
 Where releasing would not pay, elastic holds what colocate holds: every cell serves a

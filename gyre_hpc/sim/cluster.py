@@ -131,9 +131,11 @@ class FleetSim:
         self.tr_stamp = 0
         self.tr_busy = False
         self.optimizing = False
-        # Cells that hold the core's whole state (weights and optimizer moments) and so join
-        # TRAIN in place (``fleet.in_place_join_s``): every cell at the launch (the runtime's
-        # start-up broadcast), then those that applied the last update or received the state.
+        # Cells that hold the core's whole state (weights and optimizer moments): every cell at
+        # the launch (the runtime's start-up broadcast), then those that applied the last
+        # update or received the state. Every join goes in place (``fleet.in_place_join_s``)
+        # all the same: the runtime sends each update's weights to every engine at once, so an
+        # engine that lacks the moments joins weights only (``rl.flips``).
         self.current: set[int] = set(range(self.w.fleet.cells))
         self.switch_dur: dict[int, tuple[float, bool]] = {}   # cell -> (its switch's cost, a join in place)
         self.backlog: dict[int, float] = {}
@@ -654,9 +656,8 @@ class FleetSim:
             # runs of a batch rolled out ahead train after the update.
             expected_train_tokens=int(self.unfinished.get(self.version, 0) * self.finished_tokens / self.runs_finished)
             if self.runs_finished else 0,
-            # What a release would cost now: in place when every engine holds the core's state.
-            rollout_to_train_s=self.w.fleet.join_s(all(c.id in self.current for c in self.cells
-                                                        if c.role is Role.ROLLOUT)),
+            # What a release costs: in place, every engine holding the last update's weights.
+            rollout_to_train_s=self.w.fleet.join_s(True),
             train_to_rollout_s=self.w.fleet.train_to_rollout_s)
 
     def on_decide(self, periodic: int) -> None:
@@ -682,7 +683,7 @@ class FleetSim:
                 continue
             was = c.role
             c.role = ch.to
-            in_place = ch.to is Role.TRAIN and c.id in self.current
+            in_place = ch.to is Role.TRAIN
             dur = (f.join_s(in_place) if ch.to is Role.TRAIN else f.train_to_rollout_s) if cost else 0.0
             self.switch_dur[c.id] = (dur, in_place)
             c.switching = dur > 0

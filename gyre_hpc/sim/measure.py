@@ -115,7 +115,7 @@ def _switches(run: Run, m: Measured) -> None:
     run of joins in place says nothing about the other."""
     tl = run.timeline
     ended = np.isin(tl["event"].values, ("flip_end", "role")) & (tl["duration_s"].values > 0)
-    in_place = np.array([str(d).endswith("in place") for d in tl["detail"].values], dtype=bool)
+    in_place = np.array(["in place" in str(d) for d in tl["detail"].values], dtype=bool)
     to_train = ended & (tl["role"].values == "TRAIN")
     for name, rows, what in (("fleet.rollout_to_train_s", to_train & ~in_place, "join that moved the state"),
                              ("fleet.in_place_join_s", to_train & in_place, "join in place"),

@@ -121,9 +121,10 @@ class Fleet:
     rollout_only: int = 0                   # cells that never train
     rollout_to_train_s: float = 8.5         # switch costs
     train_to_rollout_s: float = 3.5
-    # A join by a cell that applied the last update with the replicas (it holds the core's
-    # whole state, as the runtime's joins in place): a message, no state moved. None: the
-    # same as rollout_to_train_s (one switch cost for every join, as the presets model it).
+    # A join in place (the runtime's: the cell holds the last update's weights, having applied
+    # it with the replicas or, an engine, been sent them; without the moments it joins weights
+    # only): a message, no state moved. None: the same as rollout_to_train_s (one switch cost
+    # for every join, as the presets model it).
     in_place_join_s: float | None = None
     # The async baseline's fixed split (train cells, core included): an explicit input, as
     # a user configures scheduler.async_train_cells. 0: none given (async cannot run;
@@ -132,8 +133,8 @@ class Fleet:
     async_max_staleness: int = 1
 
     def join_s(self, in_place: bool) -> float:
-        """What a ROLLOUT -> TRAIN switch costs: in place (the cell holds the core's state) or
-        with the state moved to it."""
+        """What a ROLLOUT -> TRAIN switch costs: in place (the cell holds the current weights)
+        or with the state moved to it."""
         return self.in_place_join_s if in_place and self.in_place_join_s is not None else self.rollout_to_train_s
 
     def __post_init__(self) -> None:

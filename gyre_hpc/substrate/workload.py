@@ -92,6 +92,9 @@ class SubstrateWorkload:
     def applied_updates(self) -> int:
         return int(self.model.updates.item())
 
+    def weights_version(self) -> int:
+        return self.applied_updates()   # its weights only ever move with the whole state
+
     def apply_update(self, step: int) -> None:
         with torch.no_grad():
             for p in self.model.parameters():

@@ -80,6 +80,34 @@ def test_flip_mid_decode_migrates_kv_and_restarts_no_run(tmp_path):
     assert len(gaps) and all(g == 0.0 for g in gaps), gaps
 
 
+def test_an_engine_that_missed_the_update_joins_weights_only_and_trains_the_core_s_numbers(tmp_path):
+    """A split (async, on-policy so every logprob is checkable) whose engines never apply an
+    update, with one engine released mid-decode in every step: from step 2 on it holds the
+    weights pushed after the update but not the moments, so it joins weights only, in place,
+    moving nothing. Its micro-batches are trained on the behaviour policy's exact weights
+    (the trainer's logprob of every target equals the one it was sampled with, bit for bit),
+    and at the update it takes the core's weights instead of applying the update with moments
+    it does not hold: every rank's weights after each update are the core's (one checksum
+    per step over the weights of all TRAIN ranks), and what it samples afterwards is the
+    trainers' too."""
+    cfg = rl_config(tmp_path, "scheduler.policy=async", "scheduler.max_staleness=0", "train.steps=3",
+                    "rollout.max_new_tokens=48")
+    proc, result = run_fleet(cfg, policy="migrate-hold")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    joined = [f for f in result["flips"] if f["to"] == "TRAIN"]
+    assert all(f["in_place"] and f["bytes"] == 0 for f in joined), joined
+    assert [f["step"] for f in joined if f["weights_only"]], joined       # a join after an update it missed
+    assert not any(f["weights_only"] for f in joined if f["step"] == 1), joined   # the start-up broadcast: all state
+    for step in result["steps"]:
+        assert len(set(step["checksums"].values())) == 1, step                  # the moments' holders agree
+        assert len(step["weights_checksums"]) == len(step["train_cells"]), step
+        assert len(set(step["weights_checksums"].values())) == 1, step          # every TRAIN rank: the core's weights
+    # ...including a weights-only one at an update (no state checksum of its own there)
+    assert any(len(step["checksums"]) < len(step["train_cells"]) for step in result["steps"]), result["steps"]
+    gaps = read_table(RunDir.at(cfg.run_dir).metrics, "steps")["logprob_gap_max"]
+    assert len(gaps) == 3 and all(g == 0.0 for g in gaps), gaps
+
+
 def test_main_job_builds_its_warm_start_and_runs_the_long_suite(tmp_path):
     """``gyre-hpc run examples/local.yaml`` (what ``make run`` runs), made smaller: a cold
     warm-start cache (so the teacher runs and SFT happen here, fewer steps), 2 RL steps of
