@@ -32,8 +32,8 @@ start (or a call waits for an engine). The runs in a step's tail then decode on 
 more slowly; they are trained in the next step, which starts on the runs already done. A cell
 that trained the last update holds the core's state and joins in place; the split's engines
 never train, but each update's weights are sent to them, so they join in place too, weights
-only (``rl.flips``). The rule needs ``max_requests_per_engine``, which
-``device_sized`` sets (the simulator and paced cells; docs/rl.md has its measurements).
+only (``rl.flips``). The rule is opt-in (``max_requests_per_engine``):
+measured on paced cells it lost to the split it holds (docs/rl.md).
 
 Where releasing would not pay, elastic holds what colocate holds: every cell serves a
 batch that starts with nothing to train, and once a batch is over the engines left serving
@@ -84,10 +84,11 @@ class ElasticParams:
     default_train_tokens_per_s: float = 2000.0
     # Requests one engine admits at once (the device's ``max_seqs``): how a split held
     # off-policy sizes the engines its open runs need once no run can start before the
-    # update (see the module docstring). ``device_sized`` sets it; 0 (the default for a native
-    # fleet, which has no device model): such a split releases nothing while a run is open.
-    # Until engines joined weights only it lost (bench e2e 2026-12-04: 0.908x of async-6: an
-    # engine's join moved the state, and the fleet released only cells that held it).
+    # update (see the module docstring). 0 (the default, and ``device_sized`` leaves it): such
+    # a split releases nothing while a run is open. Opt-in: on paper-local's paced fleet it
+    # lost to the split it holds, with joins that moved the state (bench e2e 2026-12-04:
+    # 0.908x of async-6) and with weights-only joins in place (2026-12-06: 0.929x; the runs
+    # rolled out ahead finish later on the engine left, and the next step waits for them).
     max_requests_per_engine: int = 0
     # Versions a rollout may lag the trainer; elastic is on-policy by default.
     max_staleness: int = 0
@@ -164,8 +165,7 @@ def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> Elast
               "default_train_tokens_per_s": train.tokens_per_s,
               # EngineModel.step_s(n, K) = (h + n) / ((1 + h) single) + K kv_read_s_per_token
               "step_fixed_s": h / ((1.0 + h) * single), "step_per_seq_s": 1.0 / ((1.0 + h) * single),
-              "step_per_kv_token_s": engine.kv_read_s_per_token, "tail_slowdown": engine.tolerated_slowdown,
-              "max_requests_per_engine": engine.max_seqs}
+              "step_per_kv_token_s": engine.kv_read_s_per_token, "tail_slowdown": engine.tolerated_slowdown}
     return ElasticParams(**{**sizing, **dict(given or {})})
 
 
