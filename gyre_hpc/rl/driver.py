@@ -165,7 +165,7 @@ class RLStepDriver:
             version = self.fleet.policy_version + 1
             training = frozenset(c.id for c in self.fleet.cells if c.role is Role.TRAIN)
             reps = self.train.optimizer_step(st.step, n_runs, version, ranks,
-                                             weights_from_core=bool(self.flips.weights_only & training))
+                                             weights_from_core=bool(self.flips.weights_only))
             t_sync = time.perf_counter()
             optimizer_s = t_sync - t_opt
             sync_bytes = self.engines.push_weights(st.step, version)

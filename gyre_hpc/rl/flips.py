@@ -50,13 +50,17 @@ class Flips:
         # Cells whose ranks hold the current version's weights: those in ``current``, the
         # weights-only replicas, and the engines the last update was pushed to.
         self.has_weights: frozenset[int] = self.current
-        # TRAIN cells that joined weights only: they take the core's weights at each update.
-        self.weights_only: frozenset[int] = frozenset()
+
+    @property
+    def weights_only(self) -> frozenset[int]:
+        """TRAIN cells without the moments (they joined weights only): they take the core's
+        weights at each update."""
+        return frozenset(c.id for c in self.fleet.cells if c.role is Role.TRAIN) - self.current
 
     def updated(self, train_cells: frozenset[int], pushed: frozenset[int]) -> None:
         """An optimizer step was applied by ``train_cells`` (the weights-only ones took its
         weights from the core) and its weights sent to the engines ``pushed``."""
-        self.current = train_cells - self.weights_only
+        self.current = train_cells & self.current
         self.has_weights = train_cells | pushed
 
     def consult(self, st: StepState, ahead: StepState | None = None) -> None:
@@ -117,10 +121,8 @@ class Flips:
         # A joiner that received the core's state holds it now, as one in place does; a
         # weights-only joiner holds the weights alone until it leaves TRAIN.
         joined = frozenset(r.cell for r in records if Role(r.to) is Role.TRAIN)
-        only = frozenset(r.cell for r in records if r.weights_only)
-        self.current |= joined - only
+        self.current |= joined - frozenset(r.cell for r in records if r.weights_only)
         self.has_weights |= joined
-        self.weights_only = (self.weights_only | only) - frozenset(r.cell for r in records if Role(r.to) is Role.ROLLOUT)
         for r in records:
             kind = "rollout" if Role(r.to) is Role.ROLLOUT else "in_place" if pending.in_place else "moved"
             self.view.switch_s[kind] = took

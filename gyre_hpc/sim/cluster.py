@@ -131,12 +131,9 @@ class FleetSim:
         self.tr_stamp = 0
         self.tr_busy = False
         self.optimizing = False
-        # Cells that hold the core's whole state (weights and optimizer moments): every cell at
-        # the launch (the runtime's start-up broadcast), then those that applied the last
-        # update or received the state. Every join goes in place (``fleet.in_place_join_s``)
-        # all the same: the runtime sends each update's weights to every engine at once, so an
-        # engine that lacks the moments joins weights only (``rl.flips``).
-        self.current: set[int] = set(range(self.w.fleet.cells))
+        # Every join goes in place (``fleet.in_place_join_s``): the runtime sends each update's
+        # weights to every engine at once, so an engine that lacks the optimizer moments joins
+        # weights only (``rl.flips``).
         self.switch_dur: dict[int, tuple[float, bool]] = {}   # cell -> (its switch's cost, a join in place)
         self.backlog: dict[int, float] = {}
         self.trained: dict[int, float] = {}
@@ -568,9 +565,7 @@ class FleetSim:
 
     def on_opt(self) -> None:
         step = self.version
-        # The replicas that applied this update: they hold the core's state from now on.
-        self.current = {c.id for c in self.cells if c.role is Role.TRAIN and not c.switching}
-        replicas = len(self.current)
+        replicas = sum(1 for c in self.cells if c.role is Role.TRAIN and not c.switching)   # that applied it
         self.version += 1
         self.optimizing = False
         wall = self.now - self.last_step_end
@@ -737,8 +732,6 @@ class FleetSim:
     def on_switch(self, cid: int) -> None:
         c = self.cells[cid]
         c.switching = False
-        if c.role is Role.TRAIN:
-            self.current.add(cid)        # joined in place, or received the core's state to join
         dur, in_place = self.switch_dur.get(cid, (0.0, False))
         # "in place" as the runtime's flip_end rows say it (sim.measure tells the two joins apart)
         self.timeline.append(TimelineRow(self.now, cid, c.role.value, "role", self.version, dur, 0,
