@@ -55,6 +55,11 @@ from gyre_hpc.trees.loss import LogprobGap, run_targets, step_denominator
 from gyre_hpc.trees.store import TreeStore
 
 OPTIMIZER_FILES = ["model.safetensors", "config.json", "optimizer.safetensors"]
+# How long a new context (a run's first call) waits for an engine coming back before it is
+# routed to the open ones (``RoutedCalls.dispatch``): a return flip at an update takes ~0.2 s
+# on paper-local; one that waits on a replica's micro-batch in hand takes seconds, too long
+# to keep a run waiting.
+HOLD_NEW_S = 1.0
 
 Ahead = tuple[StepState, list[asyncio.Task]]
 
@@ -96,7 +101,7 @@ class RLStepDriver:
             # and with no engine open they stay queued: that is real demand.
             arrived = bool(self.calls.queue)
             if self.engines.router.engines:
-                events += self.calls.dispatch()
+                events += self.calls.dispatch(hold_new=self.flips.engines_arriving(time.perf_counter(), HOLD_NEW_S))
             now = time.monotonic()
             if self.flips.pending:
                 # A flip in flight waits on the replicas' micro-batches in hand; the runs go on.

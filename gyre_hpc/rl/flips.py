@@ -51,6 +51,15 @@ class Flips:
         # weights-only replicas, and the engines the last update was pushed to.
         self.has_weights: frozenset[int] = self.current
 
+    def engines_arriving(self, now: float, hold_s: float) -> bool:
+        """A flip to ROLLOUT in flight for less than ``hold_s`` (``time.perf_counter``): the
+        engines it brings back are worth waiting for before routing a new context. Past
+        ``hold_s`` (a replica finishing its micro-batch in hand first), the open ones take it."""
+        if self.pending is None:
+            return False
+        flip, _, t0 = self.pending
+        return now - t0 < hold_s and any(Role(ch.to) is Role.ROLLOUT for ch in flip.changes)
+
     @property
     def weights_only(self) -> frozenset[int]:
         """TRAIN cells without the moments (they joined weights only): they take the core's

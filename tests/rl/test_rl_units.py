@@ -761,3 +761,50 @@ def test_a_step_rolled_out_ahead_stores_its_groups_only_once_the_current_steps_t
         for g in held:
             queue.commit_group(ahead, g)                                         # activation: cut, not stored again
         assert len(store) == 8 and ahead.store_end == 8 and ahead.pending
+
+
+def test_new_contexts_wait_for_a_returning_engine_while_calls_with_a_home_go_there():
+    """While an engine is coming back (``dispatch(hold_new=True)``), a call that would open a
+    context waits, since routed now it would stay on the engine open now with every later call
+    of its run; a call whose context an engine holds goes there at once. Once the engine is
+    back, the held calls spread over both."""
+    engines = {e: TorchEngine(build_model("tiny", seed=0), name=f"e{e}", seed=e) for e in (0, 1)}
+    router = Router(InProcessEngines(engines), [0])
+    driver = RoutedCalls(router)
+
+    async def main():
+        first = asyncio.create_task(driver.generate([257, 65], 2, (258,), seed=0, tag="old", session="old/main"))
+        await asyncio.sleep(0)
+        driver.dispatch()
+        while not first.done():
+            driver.pump()
+            await asyncio.sleep(0)
+        assert router.session_home("old/main") == 0
+        again = asyncio.create_task(driver.generate([257, 65, 66], 2, (258,), seed=1, tag="old", session="old/main"))
+        new = [asyncio.create_task(driver.generate([257, 70 + i], 2, (258,), seed=i, tag=f"n{i}", session=f"n{i}/main"))
+               for i in range(4)]
+        await asyncio.sleep(0)
+        assert driver.dispatch(hold_new=True) == 1          # the call with a home only
+        assert len(driver.queue) == 4 and len(router.inflight(0)) == 1
+        router.add_engine(1)                                 # the returning engine is open
+        assert driver.dispatch() == 4
+        assert len(router.inflight(1)) >= 2                  # the new runs spread, not all on engine 0
+        while not all(c.done() for c in [again, *new]):
+            driver.pump()
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+
+
+def test_engines_are_arriving_only_while_a_flip_to_rollout_is_young():
+    """The driver holds new contexts (``dispatch(hold_new=...)``) while a flip brings an engine
+    back, for at most the hold: a release (to TRAIN) brings none."""
+    from types import SimpleNamespace
+    from gyre_hpc.rl.flips import Flips
+    from gyre_hpc.sched.state import Role, RoleChange
+    flips = Flips(SimpleNamespace(cells=[]), None, None, None)
+    assert not flips.engines_arriving(10.0, 1.0)
+    flips.pending = (SimpleNamespace(changes=[RoleChange(3, Role.ROLLOUT)]), {}, 10.0)
+    assert flips.engines_arriving(10.5, 1.0) and not flips.engines_arriving(11.0, 1.0)
+    flips.pending = (SimpleNamespace(changes=[RoleChange(3, Role.TRAIN)]), {}, 10.0)
+    assert not flips.engines_arriving(10.5, 1.0)
