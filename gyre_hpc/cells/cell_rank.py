@@ -90,18 +90,12 @@ class CellRank:
         me_joining = any(c.id == self.cell.id for c in joining)
         if join_comm is not None:
             # Receive straight into the model's tensors: no second copy of the weights.
-            weights.bcast_state_dict(self.workload.state_dict() if self.rank == source else None,
-                                     join_comm, root=0,
-                                     into=None if self.rank == source else self.workload.state_dict(),
-                                     chunk_bytes=self.chunk_bytes)
+            weights.bcast_into(self.workload.state_dict(), join_comm, chunk_bytes=self.chunk_bytes)
             comms.free(join_comm)
             if self.rank != source:
                 received = weights.state_bytes(self.workload.state_dict())
         if me_joining and self.rank_comms.cell.Get_size() > 1:
-            weights.bcast_state_dict(self.workload.state_dict() if self.rank == self.cell.leader else None,
-                                     self.rank_comms.cell, root=0,
-                                     into=None if self.rank == self.cell.leader else self.workload.state_dict(),
-                                     chunk_bytes=self.chunk_bytes)
+            weights.bcast_into(self.workload.state_dict(), self.rank_comms.cell, chunk_bytes=self.chunk_bytes)
             if self.rank != self.cell.leader:
                 received = weights.state_bytes(self.workload.state_dict())
         t_transfer = time.perf_counter()

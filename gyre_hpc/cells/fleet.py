@@ -181,9 +181,7 @@ def run_fleet(run_dir: str | Path, options: FleetOptions,
     if latest is not None and rank == core.leader:
         workload.load(latest)
     # Every cell starts from the core's weights (fresh init or checkpoint): one broadcast.
-    weights.bcast_state_dict(workload.state_dict() if rank == core.leader else None, fs.cells_comm, root=0,
-                             into=None if rank == core.leader else workload.state_dict(),
-                             chunk_bytes=options.chunk_bytes)
+    weights.bcast_into(workload.state_dict(), fs.cells_comm, chunk_bytes=options.chunk_bytes)
     cell_rank = CellRank(world=world, cells=cells, workload=workload,
                          rank_comms=comms.RankComms(world=world, cell=fs.cell_comm, train=fs.train_comm),
                          chunk_bytes=options.chunk_bytes)

@@ -167,6 +167,17 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
     return out, TransferStats(bytes=total, chunks=len(chunks), seconds=time.perf_counter() - t0)
 
 
+
+def bcast_into(state: dict[str, torch.Tensor], comm: MPI.Intracomm,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TransferStats:
+    """Make every rank's ``state`` (a model's own tensors: the same names, dtypes and shapes on
+    each rank) equal to the one of ``comm``'s rank 0, received in place (no second copy):
+    how a cell joining, a cell's other ranks and a weights-only replica take the weights."""
+    root = comm.Get_rank() == 0
+    _, stats = bcast_state_dict(state if root else None, comm, root=0, into=None if root else state,
+                                chunk_bytes=chunk_bytes)
+    return stats
+
 def _receive_buffers(specs: list[TensorSpec], into: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
     if into is None:
         return [torch.empty(s.shape, dtype=dtype_from_name(s.dtype)) for s in specs]

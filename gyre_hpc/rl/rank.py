@@ -106,11 +106,8 @@ class RLRankHandler:
         else:
             self.trainer.zero_grads()   # its moments are an older version's: the core's weights follow
         if cmd.weights_from_core:
-            train = cell_rank.rank_comms.train   # the core leader first (``comms.RankComms``)
-            root = train.Get_rank() == 0
-            weights.bcast_state_dict(self.trainer.model_state() if root else None, train, root=0,
-                                     into=None if root else self.trainer.model_state(),
-                                     chunk_bytes=cell_rank.chunk_bytes)
+            # train_comm has the core leader first (``comms.RankComms``)
+            weights.bcast_into(self.trainer.model_state(), cell_rank.rank_comms.train, chunk_bytes=cell_rank.chunk_bytes)
             if not moments:
                 self.trainer.weights_received(cmd.policy_version)
         elif not moments:

@@ -1,5 +1,6 @@
 """Rank program: broadcast an odd state dict (dtypes, sizes, empty and 0-d tensors) in tiny
-chunks from rank 0; every rank writes its received tensors' checksums and raw bytes."""
+chunks from rank 0; every rank writes its received tensors' checksums and raw bytes. Then
+``bcast_into`` makes every rank's own tensors rank 0's."""
 import json
 import sys
 
@@ -59,6 +60,11 @@ for chunk_bytes in chunk_sizes:
         "chunks": stats.chunks,
     }
     all_results.append(result)
+# bcast_into: every rank's own tensors become rank 0's, in place (a joiner taking the weights).
+mine = {k: v.clone() for k, v in ref.items()} if rank == 0 else {k: torch.zeros_like(v) for k, v in ref.items()}
+ptrs = {k: t.data_ptr() for k, t in mine.items()}
+weights.bcast_into(mine, world, chunk_bytes=chunk_sizes[0])
+assert all(torch.equal(mine[k], ref[k]) and mine[k].data_ptr() == ptrs[k] for k in ref), "bcast_into: not rank 0's, in place"
 results = world.gather(all_results, root=0)
 if rank == 0:
     with open(out_path, "w") as f:
