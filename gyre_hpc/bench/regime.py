@@ -83,7 +83,7 @@ def sim_workload(regime: str, steps: int, measured_from: str | None = None):
                                                          if k in ("rollout_to_train_s", "in_place_join_s",
                                                                   "train_to_rollout_s")}}
     keep["run"] = {k: v for k, v in keep["run"].items()
-                   if k in ("calls", "output_tokens", "context_tokens", "trained_per_token", "train_piece_tokens")}
+                   if k in ("calls", "output_tokens", "context_tokens", "trained_per_token")}
     tool = environment_s(measured_from)
     if tool is not None:
         keep["run"]["tool_s"] = tool

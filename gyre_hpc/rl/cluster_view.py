@@ -106,7 +106,7 @@ class ClusterView:
                             oldest_rollout_version=self.fleet.policy_version,
                             demand_over_capacity_s=self.demand.update(time.monotonic(), queued, len(inflight),
                                                                       len(serving)),
-                            tail_runs=len(tail), train_piece_tokens=self.queue.piece_tokens(st),
+                            tail_runs=len(tail),
                             **self.switch_costs(all(c.id in has_weights for c in cells if c.role is Role.ROLLOUT)))
 
     def switch_costs(self, in_place: bool) -> dict[str, float]:

@@ -26,7 +26,6 @@ class TrainQueue:
         self.speeds = ReplicaSpeeds()
         self.trained_in_window: dict[int, int] = {}   # rank -> tokens trained since the last engines row
         self._run_tokens = (0, 0)                     # (training tokens, runs) of the groups committed so far
-        self._mb_tokens = (0, 0)                      # (training tokens, micro-batches) cut so far
         self._busy_until: dict[int, float] = {}       # rank -> when what it holds is predicted done (monotonic)
         self.peak_rss_kib = 0                         # the largest peak memory a replica reported
 
@@ -54,8 +53,6 @@ class TrainQueue:
         st.groups_changed = True
         tokens, runs = self._run_tokens
         self._run_tokens = (tokens + sum(mb.tokens for mb in mbs), runs + len(outs))
-        tokens, n = self._mb_tokens
-        self._mb_tokens = (tokens + sum(mb.tokens for mb in mbs), n + len(mbs))
 
     def store_group(self, outs: list[RunOutcome]) -> bool:
         """Admit a finished group and append its trees to the store in one commit; each outcome
@@ -85,18 +82,6 @@ class TrainQueue:
         """Training tokens the unfinished runs will bring, at the mean of the runs so far."""
         tokens, runs = self._run_tokens
         return int(unfinished_runs * tokens / runs) if runs else 0
-
-    def piece_tokens(self, st: StepState) -> int:
-        """How much a replica takes at once, which a release's pay check counts in
-        (``capacity.train_time_s``): the mean micro-batch of the step's backlog (queued and in
-        hand), so that the backlog divided by it is the pieces left; with none, of every
-        micro-batch cut so far (0: none yet). The step's last pieces are cut finer than its
-        first, so the mean of all would undercount what is left."""
-        left = len(st.pending) + sum(len(v) for v in st.outstanding.values())
-        if left:
-            return max(1, round(st.backlog_tokens() / left))
-        tokens, n = self._mb_tokens
-        return round(tokens / n) if n else 0
 
     def deal(self, st: StepState) -> None:
         """Each pending micro-batch to the replica predicted to finish it first (what it holds,

@@ -7,8 +7,6 @@ the same shortfall.
 """
 from __future__ import annotations
 
-import math
-
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Role
 
 
@@ -43,21 +41,3 @@ def train_rate(cell: CellState, default_tokens_per_s: float) -> float:
 def trainers_rate(state: ClusterState, default_tokens_per_s: float) -> float:
     """Training tokens/s of every cell that is, or is becoming, a replica."""
     return sum(train_rate(c, default_tokens_per_s) for c in state.cells if c.role is Role.TRAIN)
-
-
-def train_time_s(tokens: float, rate: float, replicas: int, piece_tokens: float = 0.0) -> float:
-    """Seconds ``replicas`` training ``rate`` tokens/s in all take to train ``tokens``, dealt in
-    micro-batches of ``piece_tokens`` (0: as a fluid, ``tokens / rate``).
-
-    A replica trains a whole micro-batch or none, so the work ends after its busiest
-    replica's last one: ``ceil(pieces / replicas)`` micro-batches at one replica's rate. A
-    replica that joins for less than a round of them takes one away from nobody's longest
-    queue, and the step ends when it would have (measured on paper-local: docs/rl.md)."""
-    if tokens <= 0:
-        return 0.0
-    if rate <= 0 or replicas < 1:
-        return math.inf
-    if piece_tokens <= 0:
-        return tokens / rate
-    pieces = math.ceil(tokens / piece_tokens)
-    return math.ceil(pieces / replicas) * piece_tokens * replicas / rate

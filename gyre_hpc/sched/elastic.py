@@ -33,10 +33,7 @@ more slowly; they are trained in the next step, which starts on the runs already
 that trained the last update holds the core's state and joins in place; the split's engines
 never train, but each update's weights are sent to them, so they join in place too, weights
 only (``rl.flips``). The rule is opt-in (``max_requests_per_engine``):
-measured on paced cells it lost to the split it holds (docs/rl.md): a joiner for a step's last
-seconds takes a micro-batch or two of 3-5 s and the step ends when it would have, which the
-pay check now sees (it counts whole micro-batches, ``capacity.train_time_s``) only in part,
-since it counts the pieces in hand as whole.
+measured on paced cells it lost to the split it holds (docs/rl.md).
 
 Where releasing would not pay, elastic holds what colocate holds: every cell serves a
 batch that starts with nothing to train, and once a batch is over the engines left serving
@@ -51,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gyre_hpc.sched.capacity import (
-    arriving_engines, flippable, rollout_demand, serving_engines, train_rate, train_time_s, trainers_rate,
+    arriving_engines, flippable, rollout_demand, serving_engines, train_rate, trainers_rate,
 )
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Role, RoleChange
 
@@ -91,8 +88,7 @@ class ElasticParams:
     # a split releases nothing while a run is open. Opt-in: on paper-local's paced fleet it
     # lost to the split it holds, with joins that moved the state (bench e2e 2026-12-04:
     # 0.908x of async-6) and with weights-only joins in place (2026-12-06: 0.929x; the runs
-    # rolled out ahead finish later on the engine left, and the next step waits for them;
-    # with that fixed and the pay check in micro-batches, one run each: 0.97x).
+    # rolled out ahead finish later on the engine left, and the next step waits for them).
     max_requests_per_engine: int = 0
     # Versions a rollout may lag the trainer; elastic is on-policy by default.
     max_staleness: int = 0
@@ -361,8 +357,6 @@ class ElasticPolicy:
         # unfinished runs are expected to add (measured per finished run), with the replicas
         # there now, against the same with the released cells joining after their switch,
         # plus their way back. More cells only shorten the second figure: all that fit or none.
-        # Both in whole micro-batches where their size is known: a joiner that cannot take a
-        # round of them off the busiest replica ends the work no sooner.
         backlog = state.train_backlog_tokens
         work = backlog + state.expected_train_tokens
         rate = trainers_rate(state, p.default_train_tokens_per_s)
@@ -370,9 +364,8 @@ class ElasticPolicy:
         left = work - rate * state.rollout_to_train_s
         if left <= 0:
             return []
-        replicas, piece = len(state.in_role(Role.TRAIN)), state.train_piece_tokens
-        alone_s = train_time_s(work, rate, replicas, piece)
-        joined_s = state.rollout_to_train_s + train_time_s(left, rate + added, replicas + len(picked), piece)
+        alone_s = work / rate if rate > 0 else math.inf
+        joined_s = state.rollout_to_train_s + left / (rate + added)
         back_s = state.train_to_rollout_s
         if self.holding_split:
             # The way back delays the next batch on the split's engines: a batch started on

@@ -68,10 +68,6 @@ class ClusterState:
     # open runs are then all the engines will serve until the running step ends. False: a
     # batch may start at any moment (or the caller does not know).
     next_batch_waits: bool = False
-    # Trained tokens of one micro-batch as the trainer deals them (the caller's mean): a
-    # replica takes whole ones, so a release pays only if the joiner shortens the busiest
-    # replica's queue (``capacity.train_time_s``). 0: unknown, training planned as a fluid.
-    train_piece_tokens: int = 0
     rollout_to_train_s: float = 8.5   # measured (or configured) switch costs
     train_to_rollout_s: float = 3.5
 

@@ -644,7 +644,7 @@ class FleetSim:
             inflight_requests=inflight, tokens_inflight=int(tokens), train_backlog_tokens=int(backlog),
             policy_version=self.version, oldest_rollout_version=min(rolling, default=self.version),
             demand_over_capacity_s=self.now - self.over_since if self.over_since is not None else 0.0,
-            tail_runs=len(tail), train_piece_tokens=int(self.w.run.train_piece_tokens),
+            tail_runs=len(tail),
             next_batch_waits=next_batch_waits(not self.pending and not self.launch_pending, self.next_batch,
                                               self.version, self.staleness, self.w.steps),
             # What the training step's own open runs will add (the runtime's TrainQueue.expected_tokens):

