@@ -272,18 +272,25 @@ class SlurmHandle(FleetHandle):
     notification for every task, so the step's code is read from those (``tasks_exit_code``).
     srun is killed once its step has left ``scontrol show step`` for ``teardown_grace_s`` with
     every task's exit in hand, or for ``orphan_grace_s`` without; ``orphaned`` then says so, and
-    a hang without every exit reports 137 instead of being waited on forever.
+    a hang without every exit reports 137 instead of being waited on forever. The hang can also
+    keep the step listed (seen once in CI: three tasks exited 0, srun and its step still there
+    120 s later), so with every exit in hand srun is killed after ``exited_grace_s`` whether or
+    not Slurm still lists the step, and the step is cancelled with it: a normal teardown takes
+    about a second, and a lingering step would hold its nodes from the next launch.
     """
 
     def __init__(self, proc, command, log_path, prefer_job: str | None, orphan_grace_s: float = 60.0,
-                 ntasks: int | None = None, log_offset: int = 0, teardown_grace_s: float = 5.0):
+                 ntasks: int | None = None, log_offset: int = 0, teardown_grace_s: float = 5.0,
+                 exited_grace_s: float = 30.0):
         super().__init__(proc, command, log_path)
         self._prefer_job = prefer_job
         self._step_id: str | None = None
         self._host = socket.gethostname()
         self.orphan_grace_s = orphan_grace_s
         self.teardown_grace_s = teardown_grace_s
+        self.exited_grace_s = exited_grace_s
         self._gone_since: float | None = None
+        self._exited_since: float | None = None   # when every task's exit was first in hand
         self._last_check = 0.0
         self._ntasks = ntasks
         self._log_pos = log_offset          # the log is appended to across launches: ours starts here
@@ -349,6 +356,11 @@ class SlurmHandle(FleetHandle):
         if now - self._last_check < 2.0:
             return None
         self._last_check = now
+        code = self._tasks_code()
+        if code is not None:
+            self._exited_since = self._exited_since or now
+            if now - self._exited_since >= self.exited_grace_s:
+                return self._kill_hung(code, cancel_step=True)
         if self._step_id is None:
             self.step_id  # learn it while the step runs, so a hang after it can be recognised
             if self._step_id is not None:
@@ -356,25 +368,33 @@ class SlurmHandle(FleetHandle):
         elif find_step(self._host, self.proc.pid, self._prefer_job) is not None:
             self._gone_since = None
             return None
-        code = self._tasks_code()
         if self._step_id is None and code is None:
             return None   # not started yet; a step shorter than a check is known by its tasks' exits
         self._gone_since = self._gone_since or now
         grace = self.orphan_grace_s if code is None else self.teardown_grace_s
         if now - self._gone_since < grace or self.proc.poll() is not None:
             return self._srun_code()
-        self._killing = True
-        self._kill_srun()
-        self.proc.wait()
-        self._orphan_code = 137 if code is None else code
-        return self._orphan_code
+        return self._kill_hung(137 if code is None else code)
 
-    def _kill_srun(self) -> None:
+    def _kill_hung(self, code: int, cancel_step: bool = False) -> int:
+        """srun killed as hung; ``code`` is what every later poll reports (``orphaned``)."""
+        self._killing = True
+        self._kill_srun(cancel_step)
+        self.proc.wait()
+        self._orphan_code = code
+        return code
+
+    def _kill_srun(self, cancel_step: bool = False) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        if self._prefer_job is None and self._step_id is not None:
+        if self._step_id is None:
+            return
+        if self._prefer_job is None:
             # srun made this allocation itself (no surrounding job): killed, it cannot release it.
             subprocess.run(["scancel", self._step_id.split(".")[0]], capture_output=True, timeout=10)
+        elif cancel_step:
+            # Inside the head's allocation the job stays; a step still listed would hold its nodes.
+            subprocess.run(["scancel", self._step_id], capture_output=True, timeout=10)
 
     @property
     def step_id(self) -> str | None:

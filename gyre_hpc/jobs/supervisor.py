@@ -232,7 +232,8 @@ class Supervisor:
             rc = handle.poll()
             if rc is not None:
                 if getattr(handle, "orphaned", False):
-                    self.log(f"srun outlived its step {handle.step_id}; killed it")
+                    self.log(f"srun hung at the end of its step {handle.step_id} (its step gone, or every task "
+                             f"exited); killed it")
                 return rc
             if self.stop is not None and self.stop.reason == "SIGTERM":
                 # Slurm SIGKILLs everything KillWait (often 5-30 s) after SIGTERM; the fleet is

@@ -10,6 +10,7 @@ import json
 from collections import Counter
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 from gyre_hpc.config import build_config
 from gyre_hpc.jobs import plan as fleet_plan
 from gyre_hpc.jobs.launchers import (LaunchError, LocalLauncher, SlurmHandle, SlurmLauncher, exit_status,
-                                     expand_nodelist, launcher_for, tasks_exit_code)
+                                     expand_nodelist, find_step, launcher_for, tasks_exit_code)
 
 PROBE = str(Path(__file__).with_name("mpi_probe.py"))
 
@@ -291,6 +292,29 @@ def test_a_hung_srun_reports_the_code_its_tasks_ended_with(tmp_path):
     handle._step_id = "999999.0"
     assert _poll_until_done(handle) == 75 and handle.orphaned
     assert handle.poll() == 75 and handle.kill() == 75     # the answer stays once srun is gone
+
+
+@pytest.mark.slurm
+def test_an_srun_whose_step_stays_listed_after_every_task_exit_is_killed_and_its_step_cancelled(tmp_path):
+    """Seen once in CI: a het step's three tasks all exited 0 (srun logged each), and srun and
+    its step were still there 120 s later. A real het step whose ranks sleep stands in for it
+    (Slurm lists it), with every task's exit put in its log: the handle must report the tasks'
+    code after ``exited_grace_s``, and the step must be gone from Slurm, not left holding nodes."""
+    cfg = build_config({"cells": {"count": 2}, "launcher": "slurm"})
+    plan = fleet_plan.plan_for_nodes(cfg, _slurm_nodes(3))
+    log = tmp_path / "fleet.log"
+    handle = SlurmLauncher().launch(plan, ["sleep", "300"], log_path=log)
+    handle.exited_grace_s = 1.0
+    step = handle.wait_step_id()
+    assert handle.poll() is None
+    with open(log, "a") as f:
+        f.write("".join(f"srun: launch/slurm: _task_finish: Received task exit notification for 1 task of "
+                        f"StepId={step} (status=0x0000).\n" for _ in range(plan.world_size)))
+    assert _poll_until_done(handle, 30) == 0 and handle.orphaned
+    deadline = time.monotonic() + 30
+    while find_step(socket.gethostname(), handle.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert find_step(socket.gethostname(), handle.pid) is None, f"step {step} still listed after srun was killed"
 
 
 def test_an_srun_that_crashes_after_every_task_exit_reports_the_tasks_code(tmp_path):
