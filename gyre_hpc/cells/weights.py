@@ -167,7 +167,6 @@ def bcast_state_dict(state: dict[str, torch.Tensor] | None, comm: MPI.Intracomm,
     return out, TransferStats(bytes=total, chunks=len(chunks), seconds=time.perf_counter() - t0)
 
 
-
 def bcast_into(state: dict[str, torch.Tensor], comm: MPI.Intracomm,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TransferStats:
     """Make every rank's ``state`` (a model's own tensors: the same names, dtypes and shapes on
@@ -177,6 +176,7 @@ def bcast_into(state: dict[str, torch.Tensor], comm: MPI.Intracomm,
     _, stats = bcast_state_dict(state if root else None, comm, root=0, into=None if root else state,
                                 chunk_bytes=chunk_bytes)
     return stats
+
 
 def _receive_buffers(specs: list[TensorSpec], into: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
     if into is None:

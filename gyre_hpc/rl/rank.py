@@ -107,7 +107,8 @@ class RLRankHandler:
             self.trainer.zero_grads()   # its moments are an older version's: the core's weights follow
         if cmd.weights_from_core:
             # train_comm has the core leader first (``comms.RankComms``)
-            weights.bcast_into(self.trainer.model_state(), cell_rank.rank_comms.train, chunk_bytes=cell_rank.chunk_bytes)
+            weights.bcast_into(self.trainer.model_state(), cell_rank.rank_comms.train,
+                               chunk_bytes=cell_rank.chunk_bytes)
             if not moments:
                 self.trainer.weights_received(cmd.policy_version)
         elif not moments:
