@@ -62,11 +62,12 @@ class ClusterView:
             self._inflight_integral[e] = self._inflight_integral.get(e, 0.0) + dt * len(router.inflight(e))
 
     def state(self, st: StepState, ahead: StepState | None = None,
-              has_weights: frozenset[int] = frozenset()) -> ClusterState:
+              has_weights: frozenset[int] = frozenset(), current: frozenset[int] | None = None) -> ClusterState:
         """The view while step ``st`` is the one training, with ``ahead`` the next step's runs
         rolling out ahead of it (async). Open runs are both steps' (the engines serve both),
         as the simulator counts them; the training work expected is ``st``'s. ``has_weights``:
-        the cells that hold the current weights (they join in place; ``Flips.has_weights``)."""
+        the cells that hold the current weights (they join in place; ``Flips.has_weights``);
+        ``current``: those that hold the moments too (``Flips.current``; None: every cell)."""
         self._sample_cells(st)
         router, speeds, cells = self.pool.router, self.queue.speeds, self.fleet.cells
         inflight = router.inflight()
@@ -95,7 +96,8 @@ class ClusterView:
             inflight_tokens=router.outstanding_tokens(c.id) if c.role is Role.ROLLOUT else 0,
             rollout_tokens_per_s=self._engine_rate.get(c.id, 0.0) or engine_prior,
             train_tokens_per_s=sum(speeds.rates.get(r, 0.0) for r in c.ranks) or train_prior * len(c.ranks),
-            tail_requests=tail_on(c.id) if c.role is Role.ROLLOUT else 0) for c in cells)
+            tail_requests=tail_on(c.id) if c.role is Role.ROLLOUT else 0,
+            holds_moments=current is None or c.id in current) for c in cells)
         return ClusterState(time=time.time(), step=st.step, cells=cell_states,
                             unfinished_runs=sum(x.unfinished for x in steps), next_batch_waits=waits,
                             queued_requests=queued, inflight_requests=len(inflight),

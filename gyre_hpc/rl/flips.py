@@ -82,7 +82,7 @@ class Flips:
             # plans from training rates (elastic) would rest on a made-up one. The first report
             # comes within one micro-batch; from then on every cell plans with the measured rate.
             return
-        changes = self.fleet.decide(self.view.state(st, ahead, self.has_weights))
+        changes = self.fleet.decide(self.view.state(st, ahead, self.has_weights, self.current))
         leaving = [ch for ch in changes if Role(ch.to) is Role.TRAIN]
         engines_after = [c.id for c in self.fleet.cells
                          if c.role is Role.ROLLOUT and c.id not in {ch.cell for ch in leaving}]

@@ -230,7 +230,7 @@ class ElasticPolicy:
         trainers = len(state.in_role(Role.TRAIN))
         if trainers >= floor:
             return []
-        engines = sorted(flippable(state, Role.ROLLOUT), key=lambda c: (c.inflight_requests, -c.cell))
+        engines = sorted(flippable(state, Role.ROLLOUT), key=release_order)
         picked = engines[:max(0, min(floor - trainers, len(serving_engines(state)) - 1))]
         why = f"train floor: {floor} cells train (a static split held), {trainers} do"
         return [RoleChange(c.cell, Role.TRAIN, why) for c in picked]
@@ -248,8 +248,10 @@ class ElasticPolicy:
             return []
         arriving = arriving_engines(state)
         engines = len(arriving)
-        # Highest id first: the order is fixed so that replays of a run decide the same way.
-        candidates = self._above_floor(state, sorted(candidates, key=lambda c: -c.cell))
+        # Those without the moments first (kept in TRAIN, each would take the core's weights
+        # at every update), then highest id: the order is fixed so that replays of a run
+        # decide the same way.
+        candidates = self._above_floor(state, sorted(candidates, key=lambda c: (c.holds_moments, -c.cell)))
         if not candidates:
             return []
         if self.holding_split:
@@ -393,9 +395,7 @@ class ElasticPolicy:
         """On-policy: engines to release while the demand fits those that stay at the target
         occupancy (``_fits``); returns (released, staying)."""
         # Never a cell whose engine holds tail requests: migrating them slows the slowest run.
-        # Fewest in-flight requests first (least KV to migrate), then highest id.
-        candidates = sorted((c for c in flippable(state, Role.ROLLOUT) if c.tail_requests == 0),
-                            key=lambda c: (c.inflight_requests, -c.cell))
+        candidates = sorted((c for c in flippable(state, Role.ROLLOUT) if c.tail_requests == 0), key=release_order)
         remaining = list(serving)
         picked: list[CellState] = []
         for c in candidates:
@@ -420,10 +420,17 @@ class ElasticPolicy:
         caps = [kv_capacity(c, p.kv_tokens_per_engine) for c in serving]
         if caps and all(caps):
             keep = max(keep, math.ceil(state.tokens_inflight / (p.fill * min(caps))))
-        # Fewest in-flight requests first (least KV to migrate), then highest id.
-        candidates = sorted(flippable(state, Role.ROLLOUT), key=lambda c: (c.inflight_requests, -c.cell))
+        candidates = sorted(flippable(state, Role.ROLLOUT), key=release_order)
         picked = candidates[:max(0, len(serving) - keep)]
         return picked, [c for c in serving if c not in picked]
+
+
+def release_order(c: CellState) -> tuple[bool, int, int]:
+    """Which engine a release takes first: one that holds the core's moments (it applies the
+    update itself; one without takes the core's weights at the update, a broadcast the step's
+    end waits on), then the fewest in-flight requests (least KV to migrate), then highest id
+    (fixed, so replays of a run decide the same way)."""
+    return not c.holds_moments, c.inflight_requests, -c.cell
 
 
 def _secs(x: float) -> str:

@@ -7,7 +7,7 @@ import pytest
 
 from gyre_hpc.sched.async_split import AsyncSplitPolicy
 from gyre_hpc.sched.colocate import ColocatePolicy
-from gyre_hpc.sched.elastic import ElasticParams, ElasticPolicy
+from gyre_hpc.sched.elastic import ElasticParams, ElasticPolicy, release_order
 from gyre_hpc.sched.registry import get_policy, policy_from_config
 from gyre_hpc.sched.staleness import may_start_rollout, staleness_bound
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Role
@@ -16,19 +16,20 @@ R, T = Role.ROLLOUT, Role.TRAIN
 
 
 def cells(roles: str, inflight: dict[int, int] | None = None, switching: set[int] = frozenset(),
-          rollout_only: set[int] = frozenset()) -> tuple[CellState, ...]:
+          rollout_only: set[int] = frozenset(), no_moments: set[int] = frozenset()) -> tuple[CellState, ...]:
     """'TRRR' -> core cell 0 in TRAIN, cells 1..3 ROLLOUT; every cell trains at 100 tok/s."""
     inflight = inflight or {}
     out = []
     for i, ch in enumerate(roles):
         kind = CellKind.CORE if i == 0 else CellKind.ROLLOUT_ONLY if i in rollout_only else CellKind.ELASTIC
         out.append(CellState(cell=i, kind=kind, role=R if ch == "R" else T, switching=i in switching,
-                             inflight_requests=inflight.get(i, 0), train_tokens_per_s=100.0))
+                             inflight_requests=inflight.get(i, 0), train_tokens_per_s=100.0,
+                             holds_moments=i not in no_moments))
     return tuple(out)
 
 
 def state(roles: str, **kw) -> ClusterState:
-    cell_kw = {k: kw.pop(k) for k in ("inflight", "switching", "rollout_only") if k in kw}
+    cell_kw = {k: kw.pop(k) for k in ("inflight", "switching", "rollout_only", "no_moments") if k in kw}
     inflight = sum((cell_kw.get("inflight") or {}).values())
     kw.setdefault("inflight_requests", inflight)
     kw.setdefault("unfinished_runs", inflight)
@@ -153,6 +154,29 @@ def test_a_split_held_off_policy_releases_what_the_open_runs_do_not_need_once_no
     back = held(state("TRRTTT", **after))
     assert flips(back) == {5: R} and "a batch may start" in back[0].reason
     assert flips(held(state("TRRTTT", next_batch_waits=True, queued_requests=1, **after))) == {5: R}
+
+
+def test_a_held_split_releases_an_engine_that_holds_the_moments_and_returns_one_that_does_not():
+    """A cell without the core's moments joins weights only and takes the core's new weights at
+    every update it trains for, a broadcast the step's end waits on (paper-local, paced: the
+    update took 0.6-1.1 s with one, 0.4-0.5 s with a joiner that held the moments)."""
+    held = ElasticPolicy(ElasticParams(target_requests_per_engine=2, fill=1.0, max_staleness=1,
+                                       train_floor_cells=3, max_requests_per_engine=8))
+    go = dict(inflight={1: 4, 2: 4, 3: 2}, train_backlog_tokens=BIG_BACKLOG, next_batch_waits=True)
+    # 10 open runs need 2 engines. Cell 3 has the least to migrate but no moments: cell 2 goes.
+    assert flips(held(state("TRRRTT", no_moments={3}, **go))) == {2: T}
+    # Where no engine holds them, the least to migrate decides, as before.
+    assert flips(held(state("TRRRTT", no_moments={1, 2, 3}, **go))) == {3: T}
+    # A batch may start: the one replica beyond the floor returns, the one without moments
+    # (cell 3) rather than the highest id (cell 5), which would leave cell 3 training weights only.
+    back = dict(inflight={1: 5, 2: 5}, train_backlog_tokens=BIG_BACKLOG)
+    assert flips(held(state("TRRTTT", no_moments={3}, **back))) == {3: R}
+    assert flips(held(state("TRRTTT", **back))) == {5: R}
+
+
+def test_release_order_puts_the_moments_first_then_the_least_to_migrate():
+    cs = cells("TRRRR", inflight={1: 3, 2: 1, 3: 1, 4: 0}, no_moments={4})
+    assert [c.cell for c in sorted(cs[1:], key=release_order)] == [3, 2, 1, 4]
 
 
 STEP = dict(step_fixed_s=0.01, step_per_seq_s=0.0001, step_per_kv_token_s=1e-9)
