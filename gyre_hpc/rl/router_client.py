@@ -4,8 +4,9 @@ engines on other ranks.
 ``RoutedCalls.generate`` queues a request and awaits a future; the controller routes the
 queue (``dispatch``, least outstanding tokens; while an engine is returning, new contexts wait
 for it), and its pump (``pump``) polls the router between harness steps and resolves the
-futures, so MPI is pumped on the loop's thread while tool calls run in worker threads. Seeds come from ``harness.engine_client.RunClient`` (a hash
-of run seed and prompt), so a replayed or resumed run asks for the same samples.
+futures, so MPI is pumped on the loop's thread while tool calls run in worker threads. Seeds
+come from ``harness.engine_client.RunClient`` (a hash of run seed and prompt), so a replayed or
+resumed run asks for the same samples.
 
 Per run it counts migrations (from each ``Output``) and restarts: a request of the run
 routed to an engine a second time, i.e. a model call begun again from scratch (what a flip
