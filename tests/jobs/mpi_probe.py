@@ -28,7 +28,8 @@ def main() -> int:
     info = {"rank": world.Get_rank(), "size": world.Get_size(), "allreduce": total,
             "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
             "step": os.environ.get("SLURM_STEP_ID"), "job": os.environ.get("SLURM_JOB_ID"),
-            "omp_threads": os.environ.get("OMP_NUM_THREADS"), "pid": os.getpid()}
+            "omp_threads": os.environ.get("OMP_NUM_THREADS"), "pid": os.getpid(),
+            "yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle")}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{info['rank']}.json").write_text(json.dumps(info))

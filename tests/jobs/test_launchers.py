@@ -7,6 +7,7 @@ fleet contract's rank layout.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 import re
 import signal
@@ -21,7 +22,8 @@ import pytest
 from gyre_hpc.config import build_config
 from gyre_hpc.jobs import plan as fleet_plan
 from gyre_hpc.jobs.launchers import (LaunchError, LocalLauncher, SlurmHandle, SlurmLauncher, exit_status,
-                                     expand_nodelist, find_step, launcher_for, tasks_exit_code)
+                                     expand_nodelist, find_step, launcher_for, node_hosts, tasks_exit_code,
+                                     yield_when_idle)
 
 PROBE = str(Path(__file__).with_name("mpi_probe.py"))
 
@@ -180,6 +182,18 @@ class TestPackedSlurmLauncher(LauncherContract):
         assert plan.packed
         per_node = Counter(r["node"] for r in reports)
         assert len(per_node) < plan.world_size and max(per_node.values()) > 1   # cells share nodes
+        # Every node of the local cluster is this host: more ranks than its cores must yield
+        # while they wait in MPI, or each spins on the cores the others need.
+        want = "1" if plan.world_size > len(os.sched_getaffinity(0)) else None
+        assert {r["yield_when_idle"] for r in reports} == {want}
+
+    def test_a_users_own_yield_setting_is_kept(self, tmp_path):
+        launcher, plan = self.make()
+        out = tmp_path / "probe"
+        handle = launcher.launch(plan, [sys.executable, PROBE, str(out)], log_path=tmp_path / "fleet.log",
+                                 env={"OMPI_MCA_mpi_yield_when_idle": "0"})
+        assert handle.wait(120) == 0, Path(handle.log_path).read_text()
+        assert {r["yield_when_idle"] for r in self._reports(out, plan.world_size)} == {"0"}
 
 
 def test_local_command_puts_components_in_rank_order():
@@ -226,6 +240,20 @@ def test_slurm_command_gives_each_block_its_memory_so_cells_can_share_a_node():
     assert [b.count("--mem 400M") for b in blocks] == [1, 1, 1]
     plain = " ".join(SlurmLauncher().command(fleet_plan.local_plan(build_config({"cells": {"count": 2}})), ["prog"]))
     assert "--mem" not in plain
+
+
+def test_ranks_yield_only_when_every_node_is_this_host_and_they_outnumber_its_cores():
+    local = ["vm", "vm", "vm", "vm"]
+    assert yield_when_idle(9, local, "vm", 2)
+    assert not yield_when_idle(2, local, "vm", 2)           # a rank a core: spinning is the faster wait
+    assert not yield_when_idle(9, ["vm", "vm", "n7", "vm"], "vm", 2)   # a real node: ranks not all here
+    assert not yield_when_idle(9, [], "vm", 2)              # scontrol did not answer: no claim
+
+
+@pytest.mark.slurm
+def test_node_hosts_names_the_host_of_every_local_cluster_node():
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()
+    assert node_hosts() == [socket.gethostname()] * len(set(nodes))
 
 
 def test_exit_status_maps_signals_to_128_plus_n():
