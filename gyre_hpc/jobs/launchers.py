@@ -255,9 +255,9 @@ def yield_when_idle(world_size: int, hosts: list[str], host: str, cores: int) ->
     the cores the others need, and each hop of a collective waits for a scheduler time
     slice: measured on this machine (9 ranks over 4 virtual nodes, TCP), a 3.2 MB allreduce
     took 0.17-0.33 s and a ``Create_group`` 0.15-0.30 s spinning, 13-39 ms and 1-33 ms
-    yielding, and an 8-replica update of paper-local 0.56-0.66 s. Only when every node is
-    this host (the fleet's ranks all run here) and they outnumber its cores: on real nodes
-    spinning is the faster wait."""
+    yielding; paper-local's 8-replica update 0.56-0.61 s spinning, 0.06-0.08 s yielding
+    (docs/jobs.md). Only when every node is this host (the fleet's ranks all run here) and
+    they outnumber its cores: on real nodes spinning is the faster wait."""
     return bool(hosts) and all(h == host for h in hosts) and world_size > cores
 
 
