@@ -25,7 +25,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 from gyre_hpc.jobs.plan import FleetPlan
 
@@ -246,7 +246,7 @@ def node_hosts() -> list[str]:
     return re.findall(r"\bNodeHostName=(\S+)", out.stdout)
 
 
-def yield_when_idle(world_size: int, hosts: list[str], host: str, cores: int) -> bool:
+def yield_when_idle(world_size: int, hosts: Callable[[], Sequence[str]], host: str, cores: int) -> bool:
     """Whether a fleet's MPI ranks must give up the CPU while they wait in a collective.
 
     Open MPI spins in a blocking call unless it knows its node is oversubscribed. ``mpiexec
@@ -257,8 +257,13 @@ def yield_when_idle(world_size: int, hosts: list[str], host: str, cores: int) ->
     took 0.17-0.33 s and a ``Create_group`` 0.15-0.30 s spinning, 13-39 ms and 1-33 ms
     yielding; paper-local's 8-replica update 0.56-0.61 s spinning, 0.06-0.08 s yielding
     (docs/jobs.md). Only when every node is this host (the fleet's ranks all run here) and
-    they outnumber its cores: on real nodes spinning is the faster wait."""
-    return bool(hosts) and all(h == host for h in hosts) and world_size > cores
+    they outnumber its cores: on real nodes spinning is the faster wait. ``hosts`` (``node_hosts``)
+    lists every Slurm node, one controller query on a cluster of thousands of nodes, so it is
+    asked only when the ranks do outnumber the cores."""
+    if world_size <= cores:
+        return False
+    names = hosts()
+    return bool(names) and all(h == host for h in names)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -509,7 +514,7 @@ class SlurmLauncher(Launcher):
             # A packed fleet's ranks talk over TCP unless the user chose the transports.
             run_env.setdefault("OMPI_MCA_btl", "self,tcp")
         if "OMPI_MCA_mpi_yield_when_idle" not in run_env and yield_when_idle(
-                plan.world_size, node_hosts(), socket.gethostname(), len(os.sched_getaffinity(0))):
+                plan.world_size, node_hosts, socket.gethostname(), len(os.sched_getaffinity(0))):
             run_env["OMPI_MCA_mpi_yield_when_idle"] = "1"
         command = self.command(plan, argv)
         offset = Path(log_path).stat().st_size if log_path is not None and Path(log_path).exists() else 0

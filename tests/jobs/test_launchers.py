@@ -243,11 +243,24 @@ def test_slurm_command_gives_each_block_its_memory_so_cells_can_share_a_node():
 
 
 def test_ranks_yield_only_when_every_node_is_this_host_and_they_outnumber_its_cores():
-    local = ["vm", "vm", "vm", "vm"]
+    def local():
+        return ["vm", "vm", "vm", "vm"]
+
     assert yield_when_idle(9, local, "vm", 2)
     assert not yield_when_idle(2, local, "vm", 2)           # a rank a core: spinning is the faster wait
-    assert not yield_when_idle(9, ["vm", "vm", "n7", "vm"], "vm", 2)   # a real node: ranks not all here
-    assert not yield_when_idle(9, [], "vm", 2)              # scontrol did not answer: no claim
+    assert not yield_when_idle(9, lambda: ["vm", "vm", "n7", "vm"], "vm", 2)   # a real node: ranks not all here
+    assert not yield_when_idle(9, lambda: [], "vm", 2)      # scontrol did not answer: no claim
+
+
+def test_nodes_are_listed_only_when_the_ranks_outnumber_the_cores():
+    asked = []
+
+    def hosts():
+        asked.append(1)
+        return ["vm"]
+
+    assert not yield_when_idle(2, hosts, "vm", 2) and not asked   # no controller query for a fleet that fits
+    assert yield_when_idle(3, hosts, "vm", 2) and asked == [1]
 
 
 @pytest.mark.slurm
