@@ -15,10 +15,19 @@ def test_replica_finish_is_the_spread_of_each_cells_last_micro_batch():
               mb(20.0, 2, 0, 1.0),                                            # step 2: one replica only
               (15.0, "pace", 1, "EMULATED cell=0 replica intervals=1 paced_s=1 real_s=1 overruns=0 overrun_s=0 share=0")]
     r = replica_finish(events)
-    # span: first start 8.0 (13 - 5) to the last end 14.0; spread 1.0
-    assert r["steps"] == {1: {"last_end_s": {0: 6.0, 2: 5.0}, "spread_s": 1.0, "share": pytest.approx(1 / 6, abs=1e-4)}}
+    # span: first start 8.0 (13 - 5) to the last end 14.0; spread 1.0. Cell 2 ran out at 13, while
+    # cell 0's [10, 14] trained; nothing started after 13.
+    assert r["steps"] == {1: {"last_end_s": {0: 6.0, 2: 5.0}, "spread_s": 1.0, "share": pytest.approx(1 / 6, abs=1e-4),
+                              "started_after_first_end": 0, "longest_in_flight_s": 4.0}}
     assert r["max_share"] == pytest.approx(1 / 6, abs=1e-4)
     assert replica_finish([(1.0, "launch", 0, "")]) is None
+
+
+def test_a_micro_batch_started_after_a_replica_ran_out_is_counted_against_the_dealing():
+    """Cell 1 ran out at 4; cell 0 then started a 3 s micro-batch that cell 1 could have taken."""
+    events = [mb(4.0, 1, 1, 4.0), mb(3.0, 1, 0, 3.0), mb(8.0, 1, 0, 3.0)]
+    f = replica_finish(events)["steps"][1]
+    assert f["spread_s"] == 4.0 and f["started_after_first_end"] == 1 and f["longest_in_flight_s"] == 0.0
 
 
 def test_pace_summary_takes_each_cells_last_record_and_the_overrun_share():
@@ -43,7 +52,8 @@ def test_a_step_trained_again_after_a_relaunch_is_read_from_the_launch_that_trai
               mb(50.0, 2, 0, 2.0), mb(50.4, 2, 2, 2.0)]
     r = replica_finish(events)
     assert set(r["steps"]) == {1, 2}
-    assert r["steps"][2] == {"last_end_s": {0: 2.0, 2: 2.4}, "spread_s": 0.4, "share": pytest.approx(0.4 / 2.4, abs=1e-4)}
+    assert r["steps"][2] == {"last_end_s": {0: 2.0, 2: 2.4}, "spread_s": 0.4, "share": pytest.approx(0.4 / 2.4, abs=1e-4),
+                             "started_after_first_end": 0, "longest_in_flight_s": 2.0}
     assert r["steps"][1]["spread_s"] == 0.5
 
 

@@ -179,7 +179,13 @@ def replica_finish(events: list[tuple[float, str, int, str]]) -> dict | None:
     receipt of its report), their spread, and the spread as a share of the step's training
     span (first micro-batch start to last end). Dealing by measured speed should keep every
     replica finishing together, a slower one included. A step trained again after a relaunch
-    is read from the launch that trained it last."""
+    is read from the launch that trained it last.
+
+    Micro-batches are indivisible, so a spread can come from the step's work running out
+    rather than from the dealing: ``started_after_first_end`` counts the micro-batches that
+    began after the first replica ran out (0: nothing was left for it to take), and
+    ``longest_in_flight_s`` is the longest of those still training at that moment, the
+    granularity the spread then reflects."""
     by_step: dict[int, dict[int, list[tuple[float, float]]]] = {}
     for launch in by_launch(events):
         steps: dict[int, dict[int, list[tuple[float, float]]]] = {}
@@ -197,9 +203,14 @@ def replica_finish(events: list[tuple[float, str, int, str]]) -> dict | None:
         ends = {c: max(t for t, _ in mbs) for c, mbs in cells.items()}
         start = min(t - sec for mbs in cells.values() for t, sec in mbs)
         span = max(ends.values()) - start
-        spread = max(ends.values()) - min(ends.values())
+        first_end = min(ends.values())
+        spread = max(ends.values()) - first_end
+        after = [sec for mbs in cells.values() for t, sec in mbs if t - sec > first_end]
+        in_flight = [sec for mbs in cells.values() for t, sec in mbs if t - sec <= first_end < t]
         out[step] = {"last_end_s": {c: round(e - start, 3) for c, e in sorted(ends.items())},
-                     "spread_s": round(spread, 3), "share": round(spread / span, 4) if span > 0 else 0.0}
+                     "spread_s": round(spread, 3), "share": round(spread / span, 4) if span > 0 else 0.0,
+                     "started_after_first_end": len(after),
+                     "longest_in_flight_s": round(max(in_flight, default=0.0), 3)}
     return {"steps": out, "max_share": max((v["share"] for v in out.values()), default=None)}
 
 
@@ -391,6 +402,10 @@ def render(summary: RunSummary) -> None:
     if rf and rf["steps"]:
         console.print(f"replicas' last micro-batch: spread up to {rf['max_share']:.0%} of a step's training span "
                       f"({len(rf['steps'])} steps with >= 2 replicas)")
+        for step, f in rf["steps"].items():
+            console.print(f"  step {step}: spread {f['spread_s']:.2f} s ({f['share']:.1%}); after the first replica "
+                          f"ran out, {f['started_after_first_end']} micro-batches started, the longest in flight "
+                          f"{f['longest_in_flight_s']:.2f} s")
     if summary.pace:
         p = summary.pace
         console.print(f"paced cells (EMULATED durations): {p['paced_s']:.1f} s held, overrun {p['overrun_s']:.1f} s "
