@@ -27,8 +27,11 @@ Retained sessions (what vLLM's automatic prefix caching and SGLang's radix cache
 serving): when a request of a ``session`` finishes, its row (prompt + output[:-1]) is copied
 out and kept as that session's context, one entry per session, the latest. The session's
 next call, whose prompt is the previous prompt + output + tool result, writes that context
-into its row and prefills only the new tokens. A prompt that does not start with it (the
-harness compressed the context) drops the entry and prefills in full. Entries are bounded by
+into its row and prefills only the new tokens. A prompt that shares only a prefix with it
+(a retry rewinds to its anchor; after a compression the context restarts from the intro)
+reuses the KV of the longest common prefix and prefills the rest, as a radix cache would: a
+token's keys and values depend only on the tokens before it, so the prefix's are the ones a
+full prefill would compute (bit for bit with invariant kernels). Entries are bounded by
 ``max_retained_tokens`` (least recently used first out) and are all dropped when the weights
 change version (KV from old weights would make behaviour logprobs inexact) or on ``sleep``.
 ``export_session``/``import_session`` move a context with its KV when the engine is released.
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from gyre_hpc.engines.base import Engine, EngineBookkeeping, EngineError, EngineLoad, outstanding_tokens_of
@@ -49,6 +53,20 @@ from gyre_hpc.engines.pacing import EnginePace
 from gyre_hpc.engines.requests import Output, Request, TokenEvent
 from gyre_hpc.engines.sampling import sample_token
 from gyre_hpc.models.tiny_lm import TinyLM
+
+
+def common_prefix(held: tuple[int, ...], context: list[int], limit: int) -> int:
+    """How many first tokens of ``context`` are ``held``'s, at most ``limit``: the part of a
+    retained context a new prompt can reuse. An extension (the common case) is one tuple
+    comparison; anything else finds the first difference in numpy, not a Python loop over
+    thousands of tokens."""
+    n = min(len(held), len(context), limit)
+    if n <= 0:
+        return 0
+    if tuple(context[:n]) == held[:n]:
+        return n
+    differ = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != np.asarray(context[:n], dtype=np.int64))
+    return int(differ[0])
 
 
 def cache_heads(cfg) -> tuple[int, int]:
@@ -378,17 +396,17 @@ class TorchEngine(EngineBookkeeping, Engine):
             self._retained_total -= len(old)
 
     def _take_retained(self, seq: _Sequence, context: list[int]) -> tuple:
-        """The KV of the session's retained context for the first tokens of ``context``
-        (removed from the store: the request will leave a newer one), or () when there is
-        none or the context does not start with it (the entry is then dropped). At least the
-        last context token is left to compute: its logits sample the first token."""
+        """The KV of the session's retained context for the longest prefix ``context``
+        shares with it (the entry leaves the store: the request will leave a newer one), or
+        () when there is none or nothing is shared. At least the last context token is left
+        to compute: its logits sample the first token."""
         session = seq.request.session
         if session is None or session not in self._retained:
             return ()
         tokens, kv = self._retained[session]
         self.drop_session(session)
-        n = min(len(tokens), len(context) - 1)
-        if n < 1 or tuple(context[:n]) != tokens[:n]:
+        n = common_prefix(tokens, context, len(context) - 1)
+        if n < 1:
             return ()
         self._c["cached_prompt_tokens"] += n
         return tuple((k[:n], v[:n]) for k, v in kv)

@@ -7,7 +7,7 @@ import torch
 
 from gyre_hpc.engines import Request
 from gyre_hpc.engines.router import InProcessEngines, Router
-from gyre_hpc.engines.torch_engine import TorchEngine
+from gyre_hpc.engines.torch_engine import TorchEngine, common_prefix
 
 from engine_conformance import run_all, sampled, step_until
 from engine_helpers import prompt
@@ -56,14 +56,40 @@ def test_session_reuse_through_the_prefill_budget_staging(model_dir):
     assert out2.token_ids == ref.token_ids
 
 
-def test_prompt_that_does_not_extend_the_context_prefills_in_full(model_dir):
+def test_a_prompt_sharing_a_prefix_reuses_it_and_matches_a_fresh_engine_bit_for_bit(model_dir):
+    """A retry rewinds to its anchor and a compression restarts from the intro: the prompt
+    shares only a prefix with the retained context. That prefix's KV is reused, the rest
+    prefilled, and the tokens and logprobs are a fresh engine's exactly (invariant kernels)."""
+    eng = _engine(model_dir)
+    first = prompt(3, 30)
+    eng.generate(Request("c0", first, sampled(8, seed=1), session="s"))
+    rewound = first[:20] + tuple(b"\nretry 1: 2 tests fail\n")
+    before = eng.counters()
+    out = eng.generate(Request("c1", rewound, sampled(8, seed=2), session="s"))
+    c = eng.counters()
+    assert c.cached_prompt_tokens - before.cached_prompt_tokens == 20
+    assert c.prefill_tokens - before.prefill_tokens == len(rewound) - 20
+    ref = _engine(model_dir, "fresh", max_retained_tokens=0).generate(Request("c1", rewound, sampled(8, seed=2)))
+    assert out.token_ids == ref.token_ids and list(out.logprobs) == list(ref.logprobs)
+
+
+def test_a_prompt_sharing_nothing_prefills_in_full(model_dir):
     eng = _engine(model_dir)
     eng.generate(Request("c0", prompt(3), sampled(8, seed=1), session="s"))
-    rewritten = prompt(5)       # compression: a new context, not an extension
+    other = tuple(b"summary: fixed p0\n")     # not even the first token in common
     before = eng.counters().prefill_tokens
-    eng.generate(Request("c1", rewritten, sampled(8, seed=2), session="s"))
+    eng.generate(Request("c1", other, sampled(8, seed=2), session="s"))
     c = eng.counters()
-    assert c.cached_prompt_tokens == 0 and c.prefill_tokens - before == len(rewritten)
+    assert c.cached_prompt_tokens == 0 and c.prefill_tokens - before == len(other)
+
+
+def test_common_prefix_is_the_first_difference_capped_by_the_limit():
+    held = (1, 2, 3, 4, 5)
+    assert common_prefix(held, [1, 2, 3, 4, 5, 6, 7], 6) == 5        # an extension
+    assert common_prefix(held, [1, 2, 9, 4, 5, 6], 5) == 2           # a rewind
+    assert common_prefix(held, [7, 2, 3], 2) == 0
+    assert common_prefix(held, [1, 2, 3, 4, 5], 4) == 4              # the last token is left to compute
+    assert common_prefix((), [1, 2], 1) == 0 and common_prefix(held, [1], 0) == 0
 
 
 def test_other_sessions_and_sessionless_requests_do_not_touch_an_entry(model_dir):
