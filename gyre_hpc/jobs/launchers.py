@@ -266,6 +266,23 @@ def yield_when_idle(world_size: int, hosts: Callable[[], Sequence[str]], host: s
     return bool(names) and all(h == host for h in names)
 
 
+def tcp_only(packed: bool, hosts: Callable[[], Sequence[str]]) -> bool:
+    """Whether a fleet's ranks must leave Open MPI's shared-memory transport for TCP.
+
+    Open MPI names a node's shared-memory (vader) segments by host name and local rank, so
+    ranks on two Slurm nodes that are one host (the local cluster's virtual nodes) map each
+    other's segments and segfault in their first collective (seen: 3 launches in 3, in a
+    packed step, whose cells fill one virtual node and spill onto the next; het steps were
+    never seen to and are left as they were). Only nodes that share a host (``NodeHostName``)
+    collide: on real nodes, ranks of a packed step that share one keep shared memory, far
+    faster than TCP over loopback. A listing that fails (empty) keeps TCP: a crash is worse
+    than a slower transport."""
+    if not packed:
+        return False
+    names = hosts()
+    return not names or len(set(names)) < len(names)
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """``c[1-3]`` -> ``['c1','c2','c3']`` by Slurm's own parser."""
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
@@ -507,14 +524,18 @@ class SlurmLauncher(Launcher):
             for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK",
                         "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
                 run_env.pop(var, None)
-        if plan.packed:
-            # Open MPI names a node's shared-memory (vader) segments by host name and local
-            # rank; virtual nodes of one host (the local cluster) then map each other's
-            # segments and ranks segfault in their first collective (seen: 3 launches in 3).
-            # A packed fleet's ranks talk over TCP unless the user chose the transports.
-            run_env.setdefault("OMPI_MCA_btl", "self,tcp")
+        listed: list[list[str]] = []
+
+        def hosts() -> list[str]:     # one controller query a launch, and only if a decision needs it
+            if not listed:
+                listed.append(node_hosts())
+            return listed[0]
+
+        # The transports and the wait are the user's when set; otherwise chosen for the nodes.
+        if "OMPI_MCA_btl" not in run_env and tcp_only(plan.packed, hosts):
+            run_env["OMPI_MCA_btl"] = "self,tcp"
         if "OMPI_MCA_mpi_yield_when_idle" not in run_env and yield_when_idle(
-                plan.world_size, node_hosts, socket.gethostname(), len(os.sched_getaffinity(0))):
+                plan.world_size, hosts, socket.gethostname(), len(os.sched_getaffinity(0))):
             run_env["OMPI_MCA_mpi_yield_when_idle"] = "1"
         command = self.command(plan, argv)
         offset = Path(log_path).stat().st_size if log_path is not None and Path(log_path).exists() else 0

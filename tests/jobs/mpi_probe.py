@@ -29,7 +29,8 @@ def main() -> int:
             "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
             "step": os.environ.get("SLURM_STEP_ID"), "job": os.environ.get("SLURM_JOB_ID"),
             "omp_threads": os.environ.get("OMP_NUM_THREADS"), "pid": os.getpid(),
-            "yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle")}
+            "yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle"),
+            "btl": os.environ.get("OMPI_MCA_btl")}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{info['rank']}.json").write_text(json.dumps(info))

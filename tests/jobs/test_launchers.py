@@ -23,7 +23,7 @@ from gyre_hpc.config import build_config
 from gyre_hpc.jobs import plan as fleet_plan
 from gyre_hpc.jobs.launchers import (LaunchError, LocalLauncher, SlurmHandle, SlurmLauncher, exit_status,
                                      expand_nodelist, find_step, launcher_for, node_hosts, tasks_exit_code,
-                                     yield_when_idle)
+                                     tcp_only, yield_when_idle)
 
 PROBE = str(Path(__file__).with_name("mpi_probe.py"))
 
@@ -186,6 +186,8 @@ class TestPackedSlurmLauncher(LauncherContract):
         # while they wait in MPI, or each spins on the cores the others need.
         want = "1" if plan.world_size > len(os.sched_getaffinity(0)) else None
         assert {r["yield_when_idle"] for r in reports} == {want}
+        # Its virtual nodes share this host's name: shared-memory segments would collide.
+        assert {r["btl"] for r in reports} == {"self,tcp"}
 
     def test_a_users_own_yield_setting_is_kept(self, tmp_path):
         launcher, plan = self.make()
@@ -250,6 +252,18 @@ def test_ranks_yield_only_when_every_node_is_this_host_and_they_outnumber_its_co
     assert not yield_when_idle(2, local, "vm", 2)           # a rank a core: spinning is the faster wait
     assert not yield_when_idle(9, lambda: ["vm", "vm", "n7", "vm"], "vm", 2)   # a real node: ranks not all here
     assert not yield_when_idle(9, lambda: [], "vm", 2)      # scontrol did not answer: no claim
+
+
+def test_ranks_leave_shared_memory_only_in_a_packed_step_on_nodes_that_share_a_host():
+    assert tcp_only(True, lambda: ["vm", "vm", "vm", "vm"])            # the local cluster's virtual nodes
+    assert not tcp_only(True, lambda: ["n1", "n2", "n3"])              # real nodes: shared memory within one
+    assert tcp_only(True, lambda: ["n1", "n2", "n2"])                  # two slurmd on one host
+    assert tcp_only(True, lambda: [])                                  # scontrol did not answer: the safe transport
+
+    def never():
+        raise AssertionError("a step that is not packed keeps its transports: no listing needed")
+
+    assert not tcp_only(False, never)
 
 
 def test_nodes_are_listed_only_when_the_ranks_outnumber_the_cores():
