@@ -15,6 +15,7 @@ up someone else's step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -524,13 +525,7 @@ class SlurmLauncher(Launcher):
             for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK",
                         "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
                 run_env.pop(var, None)
-        listed: list[list[str]] = []
-
-        def hosts() -> list[str]:     # one controller query a launch, and only if a decision needs it
-            if not listed:
-                listed.append(node_hosts())
-            return listed[0]
-
+        hosts = functools.cache(node_hosts)   # one controller query a launch, and only if a decision needs it
         # The transports and the wait are the user's when set; otherwise chosen for the nodes.
         if "OMPI_MCA_btl" not in run_env and tcp_only(plan.packed, hosts):
             run_env["OMPI_MCA_btl"] = "self,tcp"

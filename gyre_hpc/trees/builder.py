@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from gyre_hpc.trees.calls import CallIncrement, CallLog
+from gyre_hpc.trees.calls import CallIncrement, CallLog, common_prefix
 from gyre_hpc.trees.model import ROLE_CODE, STATUSES, ModelCall, Tree
 
 
@@ -58,12 +58,6 @@ class _Node:
         return head
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 def _insert(start: _Node, seq: np.ndarray, role: int) -> _Node:
     """Walk/extend the trie from the end of ``start`` along ``seq``; return the node it ends at.
 
@@ -78,7 +72,7 @@ def _insert(start: _Node, seq: np.ndarray, role: int) -> _Node:
             node.children[int(seq[i])] = child
             n = child.tokens.size
         else:
-            n = _common_prefix(child.tokens, seq[i:])
+            n = common_prefix(child.tokens, seq[i:])
             if n < child.tokens.size:
                 child = node.children[int(seq[i])] = child.split_head(n)
         node, i = child, i + n
@@ -101,7 +95,7 @@ def _insert_at(node: _Node, taken: int, seq: np.ndarray, role: int) -> _Node:
     as a walk from the root along the same prefix would."""
     rest = node.tokens.size - taken
     if rest > 0:
-        n = _common_prefix(node.tokens[taken:], seq)
+        n = common_prefix(node.tokens[taken:], seq)
         if n < rest:
             head = node.split_head(taken + n)
             head.parent.children[int(head.tokens[0])] = head

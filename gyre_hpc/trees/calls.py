@@ -48,9 +48,8 @@ class CallIncrement:
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two 1-D arrays."""
     n = min(a.size, b.size)
-    if np.array_equal(a[:n], b[:n]):
-        return n
-    return int(np.flatnonzero(a[:n] != b[:n])[0])
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
 class CallLog(Sequence[ModelCall]):
