@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import queue as queue_module
 import resource
 import tempfile
 import time
@@ -244,8 +245,21 @@ def in_child(target, *args, label: str | None = None, timeout_s: float = 3600) -
     queue = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, queue))
     proc.start()
+    deadline = time.monotonic() + timeout_s
     try:
-        result = queue.get(timeout=timeout_s)
+        # Watched, not one blocking get: a child that raised never puts its figures, and the
+        # bench would wait out the whole timeout (an hour) for a traceback already printed.
+        while True:
+            try:
+                result = queue.get(timeout=1.0)
+                break
+            except queue_module.Empty:
+                if not proc.is_alive() and queue.empty():
+                    raise click.ClickException(f"{label}: the measuring process exited with {proc.exitcode} "
+                                               f"before reporting (its traceback is above)") from None
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise click.ClickException(f"{label}: no figures after {timeout_s:.0f} s") from None
     finally:
         proc.join()
     if proc.exitcode != 0:

@@ -1,10 +1,12 @@
 import json
+import time
 
 import numpy as np
+import click
 import pytest
 from click.testing import CliRunner
 
-from gyre_hpc.bench.scale import command, growth_exponent, json_journal_bytes
+from gyre_hpc.bench.scale import command, growth_exponent, in_child, json_journal_bytes
 from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_journal
 
 
@@ -47,3 +49,19 @@ def test_quick_bench_prints_figures_with_growth_exponents():
 def test_bad_sizes_are_named():
     result = CliRunner().invoke(command, ["--calls", "5,x"])
     assert result.exit_code != 0 and "--calls" in result.output
+
+
+def _reports(value, queue):
+    queue.put({"value": value})
+
+
+def _raises(value, queue):
+    raise RuntimeError(f"measurement {value} broke")
+
+
+def test_in_child_returns_the_childs_figures_and_fails_fast_when_the_child_dies():
+    assert in_child(_reports, 3, label="t") == {"value": 3}
+    t0 = time.monotonic()
+    with pytest.raises(click.ClickException, match="exited with 1 before reporting"):
+        in_child(_raises, 4, label="t", timeout_s=120)
+    assert time.monotonic() - t0 < 60          # not the timeout: the child's death is noticed
