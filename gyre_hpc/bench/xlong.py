@@ -107,6 +107,9 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     from gyre_hpc.bench.xlong_measure import check_loss, measure_call_costs, measure_run
     from gyre_hpc.config import build_config
     from gyre_hpc.harness.tasks import load_suite
+    from gyre_hpc.models.tokenizer import load_tokenizer
+    from gyre_hpc.rl.runs import sample_runs
+    from gyre_hpc.rl.tasks import load_tasks
     from gyre_hpc.rundir.layout import RunDir
     from gyre_hpc.rundir.load import open_run
     from gyre_hpc.trees.store import TreeStore
@@ -140,6 +143,10 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     with TreeStore.open(run.trees) as store:
         order = store.run_ids()
     max_turns = {t.task_id: t.max_turns for t in load_suite(cfg.rollout.tasks)}
+    # What each run's calls were sampled with, for the whole-call replay (the step is the first).
+    run_seeds = {spec.run_id: spec.seed for spec in sample_runs(load_tasks(cfg.rollout.tasks), cfg, 1)}
+    sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                "max_new_tokens": cfg.rollout.max_new_tokens, "stop": list(load_tokenizer(model_dir).stop_ids())}
     work = Path(out) / "measure"
     work.mkdir(parents=True, exist_ok=True)
 
@@ -151,7 +158,8 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
         r = in_child(measure_run, journal, max_turns[task_id], cfg.train.row_tokens, str(work),
                      label=f"bench xlong: run {rid}")
         r["call_cost"] = in_child(measure_call_costs, journal, model_dir, cfg.model.numerics == "invariant",
-                                  str(work), label=f"bench xlong: call costs {rid}")
+                                  str(work), {**sampling, "run_seed": run_seeds[rid]},
+                                  label=f"bench xlong: call costs {rid}")
         runs.append(r)
     train = {k: getattr(cfg.train, k) for k in ("shared_targets", "averaging", "row_tokens", "micro_batch_tokens",
                                                   "group_forest", "clip_eps")}
@@ -169,6 +177,8 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
                            "store_append_s", "pack_s", "tree_tokens", "context_tokens")}
     per_call = [r["call_cost"]["total_s"] for r in runs]
     series["call_cost_s"] = {"values": per_call, "growth_exponent": growth_exponent(calls, per_call)}
+    whole = [r["call_cost"]["whole_call"]["total_s"] for r in runs]
+    series["whole_call_s"] = {"values": whole, "growth_exponent": growth_exponent(calls, whole)}
     series["train_s_by_group"] = {"calls": [g["calls"] for g in groups], "values": [g["train_s"] for g in groups],
                                   "growth_exponent": growth_exponent([g["calls"] for g in groups],
                                                                      [g["train_s"] for g in groups])}
@@ -176,6 +186,8 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     ended = {k: sum(r["ended_by"] == k for r in runs) for k in ("finish", "turn_budget", "wall_clock", "failed", "other")}
     ratios = [r["call_cost"]["total"]["last_over_first"] for r in runs]
     same_ctx = [r["call_cost"]["total"]["same_context_last_over_first"] for r in runs]
+    whole_ratios = [r["call_cost"]["whole_call"]["last_over_first"] for r in runs]
+    reproduced = sum(r["call_cost"]["whole_call"]["outputs_reproduced"] for r in runs)
     # The step's own loss is ~0 on-policy (minus the mean advantage): compared absolutely. The
     # probe's is not: compared relatively.
     diff = {k: abs(loss["trainer_forward"][k] - loss["reference"][k]) for k in loss["reference"]}
@@ -193,7 +205,11 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
                          "(journal_append), TorchEngine prefill behind the session's retained context with the "
                          "step's starting weights (engine_prefill); first/last 10% of the run's calls; "
                          "same_context_last_over_first: the same at equal context length (cost fitted as "
-                         "a + b*context + c*k over the run's calls, at the run's mean context)",
+                         "a + b*context + c*k over the run's calls, at the run's mean context); "
+                         "whole_call: one more replay of each call whole, the live request (its seed, "
+                         "sampling and stop tokens) prefilled and decoded by the engine, so its output is "
+                         "the journal's (outputs_reproduced counts the calls where it is) and the engine "
+                         "retains what the live one did: the cost a live call has on one engine alone",
             "harness_held_mb": "memory a run's loaded calls hold (increments, as the live harness holds them), "
                                "traced by tracemalloc; harness_rss_mb: the RSS they add",
             "train_peak_rss_mb": "the largest TRAIN replica's peak resident memory over the step (ru_maxrss of the "
@@ -208,6 +224,8 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
             "ended_by": ended, "reward_mean": statistics.fmean(r["reward"] or 0.0 for r in runs),
             "call_cost_last_over_first": _quantiles([x for x in ratios if x is not None]),
             "call_cost_same_context_last_over_first": _quantiles([x for x in same_ctx if x is not None]),
+            "whole_call_last_over_first": _quantiles([x for x in whole_ratios if x is not None]),
+            "whole_call_outputs_reproduced": f"{reproduced} of {sum(calls)}",
             "controller_peak_rss_mb": totals.get("controller_peak_rss_kib", 0) / 1024,
             "train_peak_rss_mb": totals.get("train_peak_rss_kib", 0) / 1024,
             "cached_prompt_tokens": totals.get("cached_prompt_tokens"),
@@ -229,9 +247,10 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
             "ended_by_the_run_most": ended["finish"] > len(runs) / 2,
             "ended_not_by_the_wall_clock_most": ended["wall_clock"] < len(runs) / 2,
             "exponents_le_1_15": {k: series[k]["growth_exponent"] for k in
-                                  ("build_s", "harness_held_mb", "journal_bytes", "call_cost_s")},
+                                  ("build_s", "harness_held_mb", "journal_bytes", "call_cost_s", "whole_call_s")},
             "call_cost_last_over_first_le_1_2_max": max(x for x in ratios if x is not None),
             "call_cost_same_context_last_over_first_le_1_2_max": max(x for x in same_ctx if x is not None),
+            "whole_call_last_over_first_le_1_2_max": max(x for x in whole_ratios if x is not None),
             "train_peak_rss_lt_4gb": totals.get("train_peak_rss_kib", 0) < 4 * 2**20,
             "loss_equals_reference": {"probe_rel_diff": probe_rel, "step_abs_diff": diff["step"]},
             "bench_within_15_min": bench_s <= 900,

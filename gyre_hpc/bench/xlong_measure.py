@@ -13,8 +13,12 @@ trees, the warm-start checkpoint the step started from) and puts its figures on 
   made a client request (``TokenContext.array``, the ids the router sends), the journal record
   appended with its fsync (``JournalWriter.append``), and the engine's prefill of it behind the
   session's retained context (``TorchEngine`` with the step's starting weights, one sampled
-  token). Replayed rather than timed in the live run so a call's figure is its own cost, not
-  the queueing of seven other runs on two shared cores.
+  token). Then the whole call once more (``whole_call``): the same request as the live run's,
+  its seed, sampling and stop tokens, so the engine prefills and decodes the very output the
+  journal holds (``outputs_reproduced`` counts the calls whose tokens match; a step-1 run was
+  sampled by these weights, and the kernels are batch-invariant) and keeps it as the live
+  engine kept it. Replayed rather than timed in the live run so a call's figure is its own
+  cost, not the queueing of seven other runs on two shared cores.
 - ``check_loss``: the training step's loss recomputed from the stored trees with the
   trainer's packing and kernels (forward only) and by the call-by-call float64 reference
   (``trees.reference``), with the step's rewards and with rewards that make every advantage
@@ -93,24 +97,29 @@ def tail_ratio(costs: list[float], share: float = 0.1) -> dict:
     return {"first_ms": 1e3 * first, "last_ms": 1e3 * last, "last_over_first": last / first if first > 0 else None}
 
 
-def same_context_ratio(costs: list[float], context: list[int], share: float = 0.1) -> float | None:
+def same_context_ratio(costs: list[float], context: list[int], share: float = 0.1,
+                       outputs: list[int] | None = None) -> float | None:
     """The last ``share`` of a run's calls against the first at the same context length.
 
     A call's cost grows with its context (the attention over it, the prompt the client
     sends), which compressions bound but which is short in every run's first calls, so the
     plain ratio (``tail_ratio``) charges the window to the run's length. Here the cost is
     fitted as ``a + b * context + c * k`` over the run's calls (least squares) and the ratio is
-    the fit at the run's mean context, at the mean k of the last share over the first."""
+    the fit at the run's mean context, at the mean k of the last share over the first.
+    ``outputs``: each call's output tokens, a term of the fit too (a whole call's decode
+    follows how much it writes, a read's few tokens or a module's ~46)."""
     n = len(costs)
     m = max(1, math.ceil(share * n))
-    if n < 3:
+    terms = [np.ones(n), np.asarray(context, dtype=np.float64)]
+    if outputs is not None:
+        terms.append(np.asarray(outputs, dtype=np.float64))
+    if n < len(terms) + 1:
         return None
     k = np.arange(n, dtype=np.float64)
-    ctx = np.asarray(context, dtype=np.float64)
-    (a, b, c), *_ = np.linalg.lstsq(np.stack([np.ones(n), ctx, k], axis=1), np.asarray(costs, dtype=np.float64),
-                                    rcond=None)
-    first = a + b * ctx.mean() + c * k[:m].mean()
-    last = a + b * ctx.mean() + c * k[-m:].mean()
+    coef, *_ = np.linalg.lstsq(np.stack([*terms, k], axis=1), np.asarray(costs, dtype=np.float64), rcond=None)
+    at_means = sum(w * t.mean() for w, t in zip(coef[:-1], terms))
+    first = at_means + coef[-1] * k[:m].mean()
+    last = at_means + coef[-1] * k[-m:].mean()
     return float(last / first) if first > 0 else None
 
 
@@ -133,34 +142,63 @@ def call_cost_summary(costs: dict) -> dict:
     return out
 
 
+def whole_call_summary(costs: dict) -> dict:
+    """The whole call (prompt assembly, journal append, the engine's prefill and decode of the
+    call's own output) from ``measure_call_costs``' last replay."""
+    whole = [a + b + c for a, b, c in zip(costs["assemble_s"], costs["append_s"], costs["call_s"])]
+    out = tail_ratio(whole)
+    out["same_context_last_over_first"] = same_context_ratio(whole, costs["context_tokens"])
+    out["same_context_and_output_last_over_first"] = same_context_ratio(whole, costs["context_tokens"],
+                                                                        outputs=costs["decode_tokens"])
+    out["ms_by_decile"] = _deciles(whole)
+    out["total_s"] = float(sum(whole))
+    out["engine"] = tail_ratio(costs["call_s"])
+    out["decode_tokens"] = int(sum(costs["decode_tokens"]))
+    out["outputs_reproduced"] = int(sum(costs["reproduced"]))
+    out["calls"] = len(whole)
+    return out
+
+
 REPLAYS = 3   # a call costs ~10 ms; on a shared 2-core box a wait for a core is as long
 
 
-def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: str, queue) -> None:
+def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: str, sampling: dict | None,
+                       queue) -> None:
     """Each call's cost, each part the least of ``REPLAYS`` replays of the whole run (each with
-    a fresh engine and journal, so every replay sees the same retained contexts)."""
+    a fresh engine and journal, so every replay sees the same retained contexts); with
+    ``sampling`` (the run's seed, the rollout's ``temperature``, ``top_p``, ``max_new_tokens``
+    and the tokenizer's ``stop`` ids) one more replay of each call whole (``whole_call``)."""
     import torch
 
     from gyre_hpc.engines.requests import Request, SamplingParams
     from gyre_hpc.engines.torch_engine import TorchEngine
     from gyre_hpc.harness.context import TokenContext
+    from gyre_hpc.harness.engine_client import RunClient
     from gyre_hpc.harness.journal import JournalWriter, load_journal
     from gyre_hpc.models.checkpoint import load_pretrained
 
     torch.set_num_threads(1)
     log = load_journal(journal).calls
+    seeds = None if sampling is None else RunClient(None, sampling["run_seed"])
 
-    def replay(r: int) -> dict:
+    def params(k: int, ids: list[int], whole: bool) -> SamplingParams:
+        if not whole:
+            return SamplingParams(max_new_tokens=1, seed=k)
+        return SamplingParams(max_new_tokens=sampling["max_new_tokens"], temperature=sampling["temperature"],
+                              top_p=sampling["top_p"], seed=seeds.seed_for(ids),
+                              stop_token_ids=tuple(sampling["stop"]))
+
+    def replay(r: int, whole: bool = False) -> dict:
         engine = TorchEngine(load_pretrained(model_dir, dtype=torch.float32), invariant=invariant)
         writer = JournalWriter.create(Path(workdir) / f"replay{r}.journal", "replay", "replay")
         seqs: list[TokenContext] = []
-        assemble, append, prefill, prefill_tokens, context = [], [], [], [], []
+        assemble, append, prefill, prefill_tokens, context, decoded, reproduced = [], [], [], [], [], [], []
         for k, inc in enumerate(log.increments):
             ctx = (seqs[inc.base].prefix(inc.shared).extend(inc.new) if inc.base >= 0
                    else TokenContext.of(inc.new)).as_call(k)
             t0 = time.perf_counter()
             ids = ctx.array.tolist()                           # the loop: the prompt for the client
-            request = Request(f"c{k}", tuple(int(t) for t in ids), SamplingParams(max_new_tokens=1, seed=k),
+            request = Request(f"c{k}", tuple(int(t) for t in ids), params(k, ids, whole),
                               session=inc.agent)               # the router: the request it sends
             new = ctx.tail(inc.shared)                         # the loop: the journal's new tokens
             t1 = time.perf_counter()
@@ -169,24 +207,32 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
             t2 = time.perf_counter()
             before = engine.counters().prefill_tokens
             engine.submit(request)
-            while not engine.pop_finished():
-                engine.step()
+            done = []
+            while not done:
+                done = engine.pop_finished()
+                if not done:
+                    engine.step()
             t3 = time.perf_counter()
             assemble.append(t1 - t0)
             append.append(t2 - t1)
             prefill.append(t3 - t2)
             prefill_tokens.append(engine.counters().prefill_tokens - before)
             context.append(inc.prompt_len)
+            decoded.append(len(done[0].token_ids))
+            reproduced.append(tuple(done[0].token_ids) == tuple(int(t) for t in inc.output))
             seqs.append(ctx.extend(inc.output).as_call(k))
         writer.close()
-        return {"assemble_s": assemble, "append_s": append, "prefill_s": prefill,
-                "prefill_tokens": prefill_tokens, "context_tokens": context}
+        return {"assemble_s": assemble, "append_s": append, "prefill_s": prefill, "call_s": prefill,
+                "prefill_tokens": prefill_tokens, "context_tokens": context, "decode_tokens": decoded,
+                "reproduced": reproduced}
 
     runs = [replay(r) for r in range(REPLAYS)]
     costs = {key: np.min([run[key] for run in runs], axis=0).tolist() for key in ("assemble_s", "append_s", "prefill_s")}
     out = call_cost_summary({**costs, "prefill_tokens": runs[0]["prefill_tokens"],
                              "context_tokens": runs[0]["context_tokens"]})
     out["replays"] = REPLAYS
+    if sampling is not None:
+        out["whole_call"] = whole_call_summary(replay(REPLAYS, whole=True))
     queue.put(out)
 
 

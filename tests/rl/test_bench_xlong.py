@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gyre_hpc.bench.xlong import bench_config
-from gyre_hpc.bench.xlong_measure import call_cost_summary, same_context_ratio, tail_ratio
+from gyre_hpc.bench.xlong_measure import call_cost_summary, same_context_ratio, tail_ratio, whole_call_summary
 from tests.rl.rl_helpers import REPO, mpi_env
 
 
@@ -23,6 +23,17 @@ def test_tail_ratio_compares_the_last_tenth_of_the_calls_with_the_first():
                            "prefill_tokens": [5] * 20, "context_tokens": list(range(20))})
     assert s["total"]["last_over_first"] == pytest.approx(0.75 / 0.6) and s["prefill_tokens"] == 100
     assert len(s["total_ms_by_decile"]) == 10 and s["total_s"] == pytest.approx(12.3)
+
+
+def test_whole_call_summary_adds_the_engines_prefill_and_decode_to_the_loops_parts():
+    s = whole_call_summary({"assemble_s": [0.1] * 20, "append_s": [0.2] * 20, "call_s": [1.0] * 18 + [2.0, 3.0],
+                            "context_tokens": list(range(20)), "decode_tokens": [4] * 20,
+                            "reproduced": [True] * 19 + [False]})
+    assert s["first_ms"] == pytest.approx(1300.0) and s["last_ms"] == pytest.approx(2800.0)
+    assert s["last_over_first"] == pytest.approx(2800 / 1300) and s["engine"]["last_over_first"] == pytest.approx(2.5)
+    assert (s["decode_tokens"], s["outputs_reproduced"], s["calls"]) == (80, 19, 20)
+    assert s["total_s"] == pytest.approx(0.3 * 20 + 18 + 5) and len(s["ms_by_decile"]) == 10
+    assert s["same_context_and_output_last_over_first"] is not None
 
 
 def test_same_context_ratio_takes_the_window_out_and_keeps_growth_with_the_run():
@@ -39,6 +50,12 @@ def test_same_context_ratio_takes_the_window_out_and_keeps_growth_with_the_run()
     want = (1 + 0.001 * mean_ctx + np.mean(np.arange(270, 300)) / 300) / (1 + 0.001 * mean_ctx + np.mean(np.arange(30)) / 300)
     assert same_context_ratio(grows, context) == pytest.approx(want)
     assert same_context_ratio([1.0, 2.0], [5, 6]) is None
+    # A whole call's decode follows its output: late calls that write more cost more, and
+    # with the output in the fit that is not charged to k.
+    outputs = [10 + 40 * (k >= 250) * (k % 2) for k in range(300)]
+    writes = [x + 0.02 * o for x, o in zip(by_context, outputs)]
+    assert same_context_ratio(writes, context) > 1.1
+    assert same_context_ratio(writes, context, outputs=outputs) == pytest.approx(1.0)
 
 
 def test_bench_config_is_the_example_for_one_step_here(tmp_path):
@@ -65,6 +82,10 @@ def test_bench_xlong_small_reports_runs_costs_growth_and_the_loss_against_the_re
         assert r["context_tokens"] > r["tree_tokens"] > 0 and r["sharing_ratio"] > 1
         assert r["ended_by"] in ("finish", "turn_budget", "wall_clock", "failed", "other")
         assert r["call_cost"]["total"]["first_ms"] > 0 and r["call_cost"]["prefill_tokens"] > 0
+        # The whole call replayed as the live one: the engine samples the journal's own output.
+        whole = r["call_cost"]["whole_call"]
+        assert whole["calls"] == r["calls"] and whole["outputs_reproduced"] == r["calls"]
+        assert whole["decode_tokens"] == r["output_tokens"] and whole["first_ms"] > r["call_cost"]["total"]["first_ms"]
     assert sum(out["summary"]["ended_by"].values()) == 4
     assert out["summary"]["controller_peak_rss_mb"] > 0 and out["summary"]["train_peak_rss_mb"] > 0
     groups = out["training"]["groups"]
