@@ -206,7 +206,7 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
                          "step's starting weights (engine_prefill); first/last 10% of the run's calls; "
                          "same_context_last_over_first: the same at equal context length (cost fitted as "
                          "a + b*context + c*k over the run's calls, at the run's mean context); "
-                         "whole_call: one more replay of each call whole, the live request (its seed, "
+                         "whole_call: each call whole, the least of 2 more replays: the live request (its seed, "
                          "sampling and stop tokens) prefilled and decoded by the engine, so its output is "
                          "the journal's (outputs_reproduced counts the calls where it is) and the engine "
                          "retains what the live one did: the cost a live call has on one engine alone",
