@@ -13,9 +13,9 @@ trees, the warm-start checkpoint the step started from) and puts its figures on 
   made a client request (``TokenContext.array``, the ids the router sends), the journal record
   appended with its fsync (``JournalWriter.append``), and the engine's prefill of it behind the
   session's retained context (``TorchEngine`` with the step's starting weights, one sampled
-  token). Then the whole call once more (``whole_call``): the same request as the live run's,
-  its seed, sampling and stop tokens, so the engine prefills and decodes the very output the
-  journal holds (``outputs_reproduced`` counts the calls whose tokens match; a step-1 run was
+  token). Then the whole call, twice more (``whole_call``, the least of the two): the same
+  request as the live run's, its seed, sampling and stop tokens, so the engine prefills and
+  decodes the very output the journal holds (``outputs_reproduced`` counts the calls whose tokens match; a step-1 run was
   sampled by these weights, and the kernels are batch-invariant) and keeps it as the live
   engine kept it. Replayed rather than timed in the live run so a call's figure is its own
   cost, not the queueing of seven other runs on two shared cores.
@@ -144,15 +144,15 @@ def call_cost_summary(costs: dict) -> dict:
 
 def whole_call_summary(costs: dict) -> dict:
     """The whole call (prompt assembly, journal append, the engine's prefill and decode of the
-    call's own output) from ``measure_call_costs``' last replay."""
-    whole = [a + b + c for a, b, c in zip(costs["assemble_s"], costs["append_s"], costs["call_s"])]
+    call's own output; ``engine_s``) from ``measure_call_costs``' whole-call replays."""
+    whole = [a + b + c for a, b, c in zip(costs["assemble_s"], costs["append_s"], costs["engine_s"])]
     out = tail_ratio(whole)
     out["same_context_last_over_first"] = same_context_ratio(whole, costs["context_tokens"])
     out["same_context_and_output_last_over_first"] = same_context_ratio(whole, costs["context_tokens"],
                                                                         outputs=costs["decode_tokens"])
     out["ms_by_decile"] = _deciles(whole)
     out["total_s"] = float(sum(whole))
-    out["engine"] = tail_ratio(costs["call_s"])
+    out["engine"] = tail_ratio(costs["engine_s"])
     out["decode_tokens"] = int(sum(costs["decode_tokens"]))
     out["outputs_reproduced"] = int(sum(costs["reproduced"]))
     out["calls"] = len(whole)
@@ -196,7 +196,7 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
         engine = TorchEngine(load_pretrained(model_dir, dtype=torch.float32), invariant=invariant)
         writer = JournalWriter.create(Path(workdir) / f"replay{r}.journal", "replay", "replay")
         seqs: list[TokenContext] = []
-        assemble, append, prefill, prefill_tokens, context, decoded, reproduced = [], [], [], [], [], [], []
+        assemble, append, engine_s, prefill_tokens, context, decoded, reproduced = [], [], [], [], [], [], []
         for k, inc in enumerate(log.increments):
             ctx = (seqs[inc.base].prefix(inc.shared).extend(inc.new) if inc.base >= 0
                    else TokenContext.of(inc.new)).as_call(k)
@@ -219,26 +219,27 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
             t3 = time.perf_counter()
             assemble.append(t1 - t0)
             append.append(t2 - t1)
-            prefill.append(t3 - t2)
+            engine_s.append(t3 - t2)
             prefill_tokens.append(engine.counters().prefill_tokens - before)
             context.append(inc.prompt_len)
             decoded.append(len(done[0].token_ids))
             reproduced.append(tuple(done[0].token_ids) == tuple(int(t) for t in inc.output))
             seqs.append(ctx.extend(inc.output).as_call(k))
         writer.close()
-        return {"assemble_s": assemble, "append_s": append, "prefill_s": prefill, "call_s": prefill,
+        return {"assemble_s": assemble, "append_s": append, "engine_s": engine_s,
                 "prefill_tokens": prefill_tokens, "context_tokens": context, "decode_tokens": decoded,
                 "reproduced": reproduced}
 
     runs = [replay(r) for r in range(REPLAYS)]
-    costs = {key: np.min([run[key] for run in runs], axis=0).tolist() for key in ("assemble_s", "append_s", "prefill_s")}
-    out = call_cost_summary({**costs, "prefill_tokens": runs[0]["prefill_tokens"],
+    costs = {key: np.min([run[key] for run in runs], axis=0).tolist() for key in ("assemble_s", "append_s", "engine_s")}
+    out = call_cost_summary({"assemble_s": costs["assemble_s"], "append_s": costs["append_s"],
+                             "prefill_s": costs["engine_s"], "prefill_tokens": runs[0]["prefill_tokens"],
                              "context_tokens": runs[0]["context_tokens"]})
     out["replays"] = REPLAYS
     if sampling is not None:
         whole = [replay(REPLAYS + r, whole=True) for r in range(WHOLE_REPLAYS)]
         out["whole_call"] = whole_call_summary({
-            **{key: np.min([w[key] for w in whole], axis=0).tolist() for key in ("assemble_s", "append_s", "call_s")},
+            **{key: np.min([w[key] for w in whole], axis=0).tolist() for key in ("assemble_s", "append_s", "engine_s")},
             "context_tokens": whole[0]["context_tokens"], "decode_tokens": whole[0]["decode_tokens"],
             "reproduced": np.all([w["reproduced"] for w in whole], axis=0).tolist()})
         out["whole_call"]["replays"] = WHOLE_REPLAYS

@@ -26,7 +26,7 @@ def test_tail_ratio_compares_the_last_tenth_of_the_calls_with_the_first():
 
 
 def test_whole_call_summary_adds_the_engines_prefill_and_decode_to_the_loops_parts():
-    s = whole_call_summary({"assemble_s": [0.1] * 20, "append_s": [0.2] * 20, "call_s": [1.0] * 18 + [2.0, 3.0],
+    s = whole_call_summary({"assemble_s": [0.1] * 20, "append_s": [0.2] * 20, "engine_s": [1.0] * 18 + [2.0, 3.0],
                             "context_tokens": list(range(20)), "decode_tokens": [4] * 20,
                             "reproduced": [True] * 19 + [False]})
     assert s["first_ms"] == pytest.approx(1300.0) and s["last_ms"] == pytest.approx(2800.0)
