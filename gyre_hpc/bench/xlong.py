@@ -106,7 +106,6 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     from gyre_hpc.bench.e2e import run_config
     from gyre_hpc.bench.xlong_measure import check_loss, measure_call_costs, measure_run
     from gyre_hpc.config import build_config
-    from gyre_hpc.harness.tasks import load_suite
     from gyre_hpc.models.tokenizer import load_tokenizer
     from gyre_hpc.rl.runs import sample_runs
     from gyre_hpc.rl.tasks import load_tasks
@@ -142,9 +141,10 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     ends = starts + runs_table["wall_s"].values.astype(np.float64)
     with TreeStore.open(run.trees) as store:
         order = store.run_ids()
-    max_turns = {t.task_id: t.max_turns for t in load_suite(cfg.rollout.tasks)}
+    tasks = load_tasks(cfg.rollout.tasks)       # the fleet's own loader: the same tasks, the same runs
+    max_turns = {t.task_id: t.max_turns for t in tasks}
     # What each run's calls were sampled with, for the whole-call replay (the step is the first).
-    run_seeds = {spec.run_id: spec.seed for spec in sample_runs(load_tasks(cfg.rollout.tasks), cfg, 1)}
+    run_seeds = {spec.run_id: spec.seed for spec in sample_runs(tasks, cfg, 1)}
     sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                 "max_new_tokens": cfg.rollout.max_new_tokens, "stop": list(load_tokenizer(model_dir).stop_ids())}
     work = Path(out) / "measure"

@@ -15,9 +15,9 @@ trees, the warm-start checkpoint the step started from) and puts its figures on 
   session's retained context (``TorchEngine`` with the step's starting weights, one sampled
   token). Then the whole call, twice more (``whole_call``, the least of the two): the same
   request as the live run's, its seed, sampling and stop tokens, so the engine prefills and
-  decodes the very output the journal holds (``outputs_reproduced`` counts the calls whose tokens match; a step-1 run was
-  sampled by these weights, and the kernels are batch-invariant) and keeps it as the live
-  engine kept it. Replayed rather than timed in the live run so a call's figure is its own
+  decodes the very output the journal holds (``outputs_reproduced`` counts the calls whose
+  tokens match; a step-1 run was sampled by these weights, and the kernels are
+  batch-invariant) and keeps it as the live engine kept it. Replayed rather than timed in the live run so a call's figure is its own
   cost, not the queueing of seven other runs on two shared cores.
 - ``check_loss``: the training step's loss recomputed from the stored trees with the
   trainer's packing and kernels (forward only) and by the call-by-call float64 reference
@@ -177,19 +177,18 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
     from gyre_hpc.engines.requests import Request, SamplingParams
     from gyre_hpc.engines.torch_engine import TorchEngine
     from gyre_hpc.harness.context import TokenContext
-    from gyre_hpc.harness.engine_client import RunClient
+    from gyre_hpc.harness.engine_client import call_seed
     from gyre_hpc.harness.journal import JournalWriter, load_journal
     from gyre_hpc.models.checkpoint import load_pretrained
 
     torch.set_num_threads(1)
     log = load_journal(journal).calls
-    seeds = None if sampling is None else RunClient(None, sampling["run_seed"])
 
     def params(k: int, ids: list[int], whole: bool) -> SamplingParams:
         if not whole:
             return SamplingParams(max_new_tokens=1, seed=k)
         return SamplingParams(max_new_tokens=sampling["max_new_tokens"], temperature=sampling["temperature"],
-                              top_p=sampling["top_p"], seed=seeds.seed_for(ids),
+                              top_p=sampling["top_p"], seed=call_seed(sampling["run_seed"], ids),
                               stop_token_ids=tuple(sampling["stop"]))
 
     def replay(r: int, whole: bool = False) -> dict:

@@ -68,17 +68,23 @@ class EngineCalls:
             await asyncio.sleep(0)
 
 
+def call_seed(run_seed: int, prompt: Sequence[int]) -> int:
+    """A call's sampling seed: a hash of (run seed, prompt), so a replay of the run (a resume,
+    or ``bench xlong`` replaying its journal) asks for the seeds the live run asked for."""
+    digest = hashlib.blake2b(np.asarray(prompt, dtype=np.int32).tobytes(), digest_size=8,
+                             key=str(run_seed).encode()).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class RunClient:
-    """The ModelClient one run uses; a call's seed is a hash of (run seed, prompt)."""
+    """The ModelClient one run uses; a call's seed is ``call_seed`` (run seed, prompt)."""
 
     def __init__(self, calls: EngineCalls, run_seed: int) -> None:
         self.source = calls
         self.run_seed = run_seed
 
     def seed_for(self, prompt: Sequence[int]) -> int:
-        digest = hashlib.blake2b(np.asarray(prompt, dtype=np.int32).tobytes(), digest_size=8,
-                                 key=str(self.run_seed).encode()).digest()
-        return int.from_bytes(digest, "little") >> 1
+        return call_seed(self.run_seed, prompt)
 
     async def complete(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int], *,
                        agent: str = "main") -> Completion:

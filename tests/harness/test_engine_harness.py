@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gyre_hpc.engines.torch_engine import TorchEngine
-from gyre_hpc.harness.engine_client import EngineCalls
+from gyre_hpc.harness.engine_client import EngineCalls, RunClient, call_seed
 from gyre_hpc.harness.journal import load_journal
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.tokenizer import PAD
@@ -130,3 +130,10 @@ def test_concurrent_runs_batch_on_one_engine_and_seeded_sampling_replays(trained
         for cx, cy in zip(x.calls, y.calls):
             np.testing.assert_allclose(cx.logprobs, cy.logprobs, atol=1e-5)
     assert engine.counters().requests_finished == sum(len(r.calls) for r in first + again)
+
+
+def test_a_calls_seed_is_a_function_of_the_run_seed_and_the_prompt_alone():
+    prompt = [5, 9, 2, 7]
+    assert call_seed(3, prompt) == call_seed(3, list(prompt)) == RunClient(None, 3).seed_for(prompt)
+    assert call_seed(3, prompt) != call_seed(4, prompt) and call_seed(3, prompt) != call_seed(3, prompt[:-1])
+    assert 0 <= call_seed(3, prompt) < 2**63

@@ -1,8 +1,8 @@
 import json
 import time
 
-import numpy as np
 import click
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
