@@ -112,7 +112,7 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     from gyre_hpc.rundir.layout import RunDir
     from gyre_hpc.rundir.load import open_run
     from gyre_hpc.trees.store import TreeStore
-    from gyre_hpc.warmstart.cache import cached_warmstart, with_warmstart
+    from gyre_hpc.warmstart.cache import warmstart_source, with_warmstart
 
     t_bench = time.perf_counter()
     tmp = None
@@ -122,7 +122,7 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     run_dir = Path(out) / "run"
     config = bench_config(Path(config_path), run_dir, small, warmstart_cache)
     cfg = build_config(config)
-    built = cached_warmstart(cfg) is None if cfg.warmstart.enabled else False
+    source = warmstart_source(cfg) if cfg.warmstart.enabled else None
     t0 = time.perf_counter()
     model_dir = with_warmstart(cfg, log=lambda m: print(m, file=sys.stderr)).model.path
     warm_s = time.perf_counter() - t0
@@ -236,7 +236,8 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
                      "step_abs_diff_vs_reference": diff["step"], "probe_rel_diff_vs_reference": probe_rel,
                      "step_loss_abs_diff_vs_trainer_forward": abs(step_loss - loss["trainer_forward"]["step"])},
         "time_s": {
-            "bench": bench_s, "warm_start": warm_s, "warm_start_built": built,
+            "bench": bench_s, "warm_start": warm_s, "warm_start_built": source == "build",
+            "warm_start_source": source,
             "warm_start_teacher_and_sft": None if warm_report is None else warm_report.get("seconds"),
             "fleet": fleet_s, "step": step_wall, "rollouts": float(ends.max() - starts.min()) if len(starts) else None,
             "fleet_start_and_stop": fleet_s - step_wall, "measure": measure_s,

@@ -7,6 +7,12 @@ tokenizer fingerprint (the ids of the system prompt and of a formatted tool call
 tokenizer or call syntax gets a new checkpoint) and the SFT settings. Building writes into
 a scratch directory renamed into place (``fsio.replace_dir``), so a half-built checkpoint is
 never picked up and a rebuild never leaves the cache without one.
+
+Some checkpoints ship with the package (``shipped/<key>``): the xLong suite's takes ~37 min of
+teacher runs and SFT on 2 cores, more than twice the 15 minutes its benchmark is allowed, so a
+fresh clone would otherwise spend its first ``bench xlong`` building it. A shipped checkpoint is
+used only under its own key, so any change to what shapes it builds a new one as before; the
+package's tests fail while a shipped key matches no example config (``--ship`` replaces it).
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from gyre_hpc.warmstart.trajectories import playbook_of, teacher_runs, teacher_v
 
 # Bump when the teacher's behaviour or the SFT recipe changes in a way the key cannot see.
 RECIPE_VERSION = 1
+SHIPPED = Path(__file__).with_name("shipped")
 
 
 def _tasks(cfg: RunConfig):
@@ -103,18 +110,57 @@ def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
     return report
 
 
-def cached_warmstart(cfg: RunConfig) -> Path | None:
-    """The built checkpoint for ``cfg`` if the cache holds it, else None (builds nothing)."""
+def shipped_warmstart(key: str) -> Path | None:
+    """The checkpoint the package ships for ``key``, if any."""
+    path = SHIPPED / key
+    return path if (path / CONFIG_FILE).is_file() else None
+
+
+def warmstart_source(cfg: RunConfig) -> str:
+    """Where ``ensure_warmstart`` would take ``cfg``'s checkpoint from: ``cache``, ``shipped``
+    or ``build`` (looks, changes nothing)."""
+    key = warmstart_key(cfg)
+    if (Path(cfg.warmstart.cache_dir) / key / CONFIG_FILE).is_file():
+        return "cache"
+    return "shipped" if shipped_warmstart(key) else "build"
+
+
+def cached_warmstart(cfg: RunConfig, log=print) -> Path | None:
+    """The checkpoint for ``cfg`` in the cache, the shipped one copied there if the cache lacks
+    it, else None (trains nothing: a login node may call it)."""
     final = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg)
-    return final if (final / CONFIG_FILE).is_file() else None
+    fsio.recover_dir(final)     # a rebuild killed between its renames left the old one aside
+    if (final / CONFIG_FILE).is_file():
+        return final
+    shipped = shipped_warmstart(final.name)
+    if shipped is None:
+        return None
+    final.parent.mkdir(parents=True, exist_ok=True)
+    scratch = final.parent / f".{final.name}.{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(shipped, scratch)
+    fsio.replace_dir(scratch, final)
+    log(f"[warmstart] installed the shipped checkpoint {final.name} into {final.parent}")
+    return final
+
+
+def ship_warmstart(path: Path, into: Path = SHIPPED) -> Path:
+    """Copy the built checkpoint ``path`` into the package as ``shipped/<its key>`` (a
+    maintainer's step, after a change that gives the shipped suite's config a new key)."""
+    path, into = Path(path), Path(into)
+    into.mkdir(exist_ok=True)
+    scratch = into / f".{path.name}.{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(path, scratch)
+    fsio.replace_dir(scratch, into / path.name)
+    return into / path.name
 
 
 def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
     """The cached checkpoint for ``cfg`` (built now if missing); its directory."""
     root = Path(cfg.warmstart.cache_dir)
     final = root / warmstart_key(cfg)
-    fsio.recover_dir(final)     # a rebuild killed between its renames left the old one aside
-    if cached_warmstart(cfg) is not None and not force:
+    if not force and cached_warmstart(cfg, log=log) is not None:
         log(f"[warmstart] using cached {final}")
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -130,10 +176,10 @@ def with_warmstart(cfg: RunConfig, log=print, build: bool = True) -> RunConfig:
     """``cfg`` starting from its warm-start checkpoint (unchanged unless enabled and no model.path).
 
     With ``build=False`` (a login node: nothing is trained there) the checkpoint must be
-    cached already; a missing one is a ConfigError naming what to do."""
+    cached or shipped already; a missing one is a ConfigError naming what to do."""
     if not cfg.warmstart.enabled or cfg.model.path:
         return cfg
-    path = ensure_warmstart(cfg, log=log) if build else cached_warmstart(cfg)
+    path = ensure_warmstart(cfg, log=log) if build else cached_warmstart(cfg, log=log)
     if path is None:
         raise ConfigError(
             f"warmstart.enabled: no cached warm-start checkpoint under {cfg.warmstart.cache_dir} for this "

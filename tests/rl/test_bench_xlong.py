@@ -95,4 +95,5 @@ def test_bench_xlong_small_reports_runs_costs_growth_and_the_loss_against_the_re
     assert tr["step_loss_abs_diff_vs_trainer_forward"] < 1e-6 and tr["step_abs_diff_vs_reference"] < 1e-6
     assert tr["probe_rel_diff_vs_reference"] < 1e-5 and abs(tr["reference"]["probe"]) > 1e-3
     assert np.isfinite(out["vs_calls"]["build_s"]["growth_exponent"])
+    assert out["time_s"]["warm_start_source"] == "build"           # xlong-mini's warm start is not shipped
     assert out["time_s"]["warm_start_built"] and out["time_s"]["bench"] > out["time_s"]["fleet"] > 0

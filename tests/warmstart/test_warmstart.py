@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from gyre_hpc.config import ConfigError, build_config
+from gyre_hpc.config import ConfigError, build_config, load_config
 from gyre_hpc.harness.tasks import load_suite
 from gyre_hpc.models.checkpoint import load_pretrained
 from gyre_hpc.models.tiny_lm import build_model
-from gyre_hpc.warmstart.cache import cached_warmstart, ensure_warmstart, teacher_harness, warmstart_key, with_warmstart
+from gyre_hpc.warmstart.cache import (SHIPPED, cached_warmstart, ensure_warmstart, ship_warmstart, teacher_harness,
+                                     warmstart_key, warmstart_source, with_warmstart)
 from gyre_hpc.warmstart.sft import train_sft
 from gyre_hpc.warmstart.trajectories import teacher_runs
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _cfg(tmp_path, *extra):
@@ -97,3 +102,54 @@ def test_teacher_wrong_rate_reaches_the_xlong_teacher_and_the_cache_key(tmp_path
     assert p.reward == w.reward == 1.0
     assert len(w.calls) > len(p.calls)
     assert warmstart_key(xcfg) != warmstart_key(build_config(xcfg.model_dump(), ["warmstart.teacher_wrong_rate=0.1"]))
+
+
+def _example_keys() -> dict[str, str]:
+    keys = {}
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        cfg = load_config(str(path), [])
+        if cfg.workload == "rl" and cfg.warmstart.enabled:
+            keys[warmstart_key(cfg)] = path.name
+    return keys
+
+
+def test_every_shipped_warmstart_is_an_example_configs_current_key():
+    shipped = sorted(p.name for p in SHIPPED.iterdir() if not p.name.startswith("."))
+    keys = _example_keys()
+    stale = [k for k in shipped if k not in keys]
+    assert not stale, (f"shipped warm starts {stale} match no example config's key: rebuild and ship with "
+                       f"`gyre-hpc warmstart examples/xlong.yaml --ship`, then delete the stale directory")
+    assert "xlong.yaml" in [keys[k] for k in shipped]         # the one whose build outruns its bench
+
+
+def test_a_cache_without_the_key_installs_the_shipped_checkpoint_and_trains_nothing(tmp_path):
+    xlong = str(EXAMPLES / "xlong.yaml")
+    cfg = load_config(xlong, [f"warmstart.cache_dir={tmp_path / 'ws'}"])
+    key = warmstart_key(cfg)
+    assert warmstart_source(cfg) == "shipped"
+    logs = []
+    started = with_warmstart(cfg, log=logs.append, build=False)      # a login node: copies, trains nothing
+    path = tmp_path / "ws" / key
+    assert started.model.path == str(path.resolve()) and "shipped" in logs[0]
+    for f in (SHIPPED / key).iterdir():
+        assert (path / f.name).read_bytes() == f.read_bytes()
+    assert warmstart_source(cfg) == "cache"
+    assert json.loads((path / "warmstart.json").read_text())["key"] == key
+    assert load_pretrained(path).config.vocab_size == build_model("tiny").config.vocab_size
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]   # no scratch left behind
+    other = load_config(xlong, [f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.steps=17"])
+    assert warmstart_source(other) == "build"                          # another key: nothing shipped
+
+
+def test_ship_copies_a_checkpoint_under_its_key_and_replaces_an_older_copy(tmp_path):
+    key = next(p.name for p in SHIPPED.iterdir() if not p.name.startswith("."))
+    built = tmp_path / "cache" / key
+    built.parent.mkdir()
+    shutil.copytree(SHIPPED / key, built)
+    package = tmp_path / "shipped"
+    assert ship_warmstart(built, into=package) == package / key
+    (built / "warmstart.json").write_text('{"key": "%s", "rebuilt": true}' % key)
+    ship_warmstart(built, into=package)                      # a rebuild replaces the shipped copy
+    assert json.loads((package / key / "warmstart.json").read_text())["rebuilt"] is True
+    assert (package / key / "model.safetensors").read_bytes() == (SHIPPED / key / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in package.iterdir()) == [key]   # no scratch or aside left
