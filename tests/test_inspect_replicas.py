@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from gyre_hpc.rundir.inspect import pace_summary, replica_finish
+import numpy as np
+
+from gyre_hpc.rundir.inspect import pace_summary, replica_finish, step_start_times
 
 
 def mb(t, step, cell, seconds):
@@ -20,7 +22,23 @@ def test_replica_finish_is_the_spread_of_each_cells_last_micro_batch():
     assert r["steps"] == {1: {"last_end_s": {0: 6.0, 2: 5.0}, "spread_s": 1.0, "share": pytest.approx(1 / 6, abs=1e-4),
                               "started_after_first_end": 0, "longest_in_flight_s": 4.0}}
     assert r["max_share"] == pytest.approx(1 / 6, abs=1e-4)
+    assert r["max_share_of_step"] is None                                  # no step starts given
     assert replica_finish([(1.0, "launch", 0, "")]) is None
+
+
+def test_the_spread_as_a_share_of_the_step_counts_from_the_steps_start():
+    """Step 1 started at 4.0 (its rollouts), training from 8.0: the 1.0 s spread is 1/6 of the
+    training span and 1/10 of the step up to its last end (14.0)."""
+    events = [mb(10.0, 1, 0, 2.0), mb(14.0, 1, 0, 4.0), mb(13.0, 1, 2, 5.0)]
+    r = replica_finish(events, {1: 4.0})
+    assert r["steps"][1]["share"] == pytest.approx(1 / 6, abs=1e-4)
+    assert r["steps"][1]["share_of_step"] == pytest.approx(0.1) and r["max_share_of_step"] == pytest.approx(0.1)
+    assert "share_of_step" not in replica_finish(events, {2: 0.0})["steps"][1]   # another step's start only
+
+
+def test_step_start_times_are_row_time_less_wall_time_and_the_last_row_wins():
+    steps = {"step": np.array([1, 2, 2]), "time": np.array([40.0, 75.0, 130.0]), "wall_s": np.array([30.0, 35.0, 32.0])}
+    assert step_start_times(steps) == {1: 10.0, 2: 98.0}
 
 
 def test_a_micro_batch_started_after_a_replica_ran_out_is_counted_against_the_dealing():

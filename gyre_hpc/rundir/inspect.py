@@ -138,7 +138,7 @@ def summarize(path: str | Path) -> RunSummary:
         runs = {"runs": int(len(r["run_id"])), "requests_moved": int(r["migrations"].sum()),
                 "restarts": int(r["restarts"].sum()), "statuses": dict(Counter(str(x) for x in r["status"]))}
 
-    replica = replica_finish(events) if events else None
+    replica = replica_finish(events, step_start_times(tables["steps"]) if "steps" in tables else None) if events else None
     pace = pace_summary(events) if events else None
     effects = None
     if "timeline" in tables:
@@ -174,12 +174,19 @@ def by_launch(events: list[tuple[float, str, int, str]]) -> list[list[tuple[floa
     return launches
 
 
-def replica_finish(events: list[tuple[float, str, int, str]]) -> dict | None:
+def replica_finish(events: list[tuple[float, str, int, str]],
+                   step_starts: dict[int, float] | None = None) -> dict | None:
     """Per step with >= 2 training cells: each cell's last micro-batch end (the controller's
     receipt of its report), their spread, and the spread as a share of the step's training
     span (first micro-batch start to last end). Dealing by measured speed should keep every
     replica finishing together, a slower one included. A step trained again after a relaunch
     is read from the launch that trained it last.
+
+    Two denominators, because "ends within 10% of each other" has two readings. ``share``
+    divides by the training span, the stricter: under elastic the span starts when the first
+    group's rollouts end, well into the step. ``share_of_step`` (with ``step_starts``, the
+    step's start on the events' clock) divides by the step's time up to its last end: the ends
+    read as times from the step's start, and the idle tail as a share of the step's capacity.
 
     Micro-batches are indivisible, so a spread can come from the step's work running out
     rather than from the dealing: ``started_after_first_end`` counts the micro-batches that
@@ -211,7 +218,18 @@ def replica_finish(events: list[tuple[float, str, int, str]]) -> dict | None:
                      "spread_s": round(spread, 3), "share": round(spread / span, 4) if span > 0 else 0.0,
                      "started_after_first_end": len(after),
                      "longest_in_flight_s": round(max(in_flight, default=0.0), 3)}
-    return {"steps": out, "max_share": max((v["share"] for v in out.values()), default=None)}
+        if step_starts and step in step_starts:
+            to_end = max(ends.values()) - step_starts[step]
+            out[step]["share_of_step"] = round(spread / to_end, 4) if to_end > 0 else 0.0
+    of_step = [v["share_of_step"] for v in out.values() if "share_of_step" in v]
+    return {"steps": out, "max_share": max((v["share"] for v in out.values()), default=None),
+            "max_share_of_step": max(of_step) if len(of_step) == len(out) and out else None}
+
+
+def step_start_times(steps: dict) -> dict[int, float]:
+    """Each step's start (its row's time less its wall_s) from a ``steps`` table; a step with
+    several rows (trained again after a relaunch) by its last."""
+    return {int(s): float(t) - float(w) for s, t, w in zip(steps["step"], steps["time"], steps["wall_s"])}
 
 
 PACE_SUMS = ("intervals", "paced_s", "real_s", "overruns", "overrun_s")
@@ -400,10 +418,13 @@ def render(summary: RunSummary) -> None:
 
     rf = summary.replica_finish
     if rf and rf["steps"]:
-        console.print(f"replicas' last micro-batch: spread up to {rf['max_share']:.0%} of a step's training span "
-                      f"({len(rf['steps'])} steps with >= 2 replicas)")
+        of_step = "" if rf.get("max_share_of_step") is None else f", {rf['max_share_of_step']:.0%} of the step"
+        console.print(f"replicas' last micro-batch: spread up to {rf['max_share']:.0%} of a step's training span"
+                      f"{of_step} ({len(rf['steps'])} steps with >= 2 replicas)")
         for step, f in rf["steps"].items():
-            console.print(f"  step {step}: spread {f['spread_s']:.2f} s ({f['share']:.1%}); after the first replica "
+            step_share = f" and {f['share_of_step']:.1%} of the step" if "share_of_step" in f else ""
+            console.print(f"  step {step}: spread {f['spread_s']:.2f} s ({f['share']:.1%} of training{step_share}); "
+                          f"after the first replica "
                           f"ran out, {f['started_after_first_end']} micro-batches started, the longest in flight "
                           f"{f['longest_in_flight_s']:.2f} s")
     if summary.pace:
