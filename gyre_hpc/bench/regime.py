@@ -167,8 +167,14 @@ def report(regime: str, names: list[Variant], summaries: dict[str, list[dict]], 
     best_static = min(statics, key=statics.get) if statics else None
     shares = [p["overrun_share"] for ps in paces.values() for p in ps if p]
     worst = max(shares) if shares else None
-    errors = {v: round(abs(sim["predicted_step_s"][v] - statistics.fmean(x)) / statistics.fmean(x), 3)
-              for v, x in steady_of.items()}
+    # Targets are judged on the unrounded figures; the report rounds them for reading only (a
+    # 0.9996x once printed 1.0 and counted as met).
+    exact_errors = {v: abs(sim["predicted_step_s"][v] - statistics.fmean(x)) / statistics.fmean(x)
+                    for v, x in steady_of.items()}
+    errors = {v: round(e, 3) for v, e in exact_errors.items()}
+
+    def of_means(baseline: str, policy: str) -> float:
+        return statistics.fmean(steady_of[baseline]) / statistics.fmean(steady_of[policy])
     speedup = {"elastic_over_colocate": ratio_spread(steady_of["colocate"], steady_of["elastic"])}
     if best_static:
         speedup["elastic_over_best_static"] = ratio_spread(steady_of[best_static], steady_of["elastic"])
@@ -187,9 +193,9 @@ def report(regime: str, names: list[Variant], summaries: dict[str, list[dict]], 
         "overrun_share_max": worst,
         "valid": worst is not None and worst <= MAX_OVERRUN,
         "targets": TARGETS,
-        "met": {"elastic_over_colocate": speedup["elastic_over_colocate"]["of_means"] >= TARGETS["elastic_over_colocate"],
-                "elastic_s1_over_best_static": bool(best_static) and speedup["elastic_s1_over_best_static"]["of_means"]
-                >= TARGETS["elastic_s1_over_best_static"],
-                "forecast_within_10pct": bool(errors) and max(errors.values()) <= TARGETS["forecast_error"],
+        "met": {"elastic_over_colocate": of_means("colocate", "elastic") >= TARGETS["elastic_over_colocate"],
+                "elastic_s1_over_best_static": bool(best_static)
+                and of_means(best_static, "elastic-s1") >= TARGETS["elastic_s1_over_best_static"],
+                "forecast_within_10pct": bool(exact_errors) and max(exact_errors.values()) <= TARGETS["forecast_error"],
                 "overrun_share": worst is not None and worst <= MAX_OVERRUN},
     }

@@ -62,6 +62,21 @@ def test_report_compares_against_the_best_measured_split_and_flags_an_invalid_em
     assert not bad["valid"] and bad["overrun_share_max"] == 0.08
 
 
+def test_a_target_missed_by_less_than_the_reports_rounding_is_missed():
+    """21.344 s against 21.352 s is 0.9996x: printed as 1.0, and not >= 1.0. A forecast 10.04% off
+    is printed as 0.1, and not within 10%."""
+    names = rg.variants(3, cells=8)
+    summaries = {"elastic": [_summary(10.0)], "colocate": [_summary(12.0)], "async-3": [_summary(21.344)],
+                 "async-2": [_summary(30.0)], "async-4": [_summary(30.0)], "elastic-s1": [_summary(21.352)]}
+    sim = {"predicted_step_s": {k: v[0]["steady_step_s"] for k, v in summaries.items()}}
+    sim["predicted_step_s"]["colocate"] = 12.0 * 1.1004
+    out = rg.report("paper-local", names, summaries, sim, {k: [{"overrun_share": 0.0}] for k in summaries})
+    assert out["speedup"]["elastic_s1_over_best_static"]["of_means"] == 1.0
+    assert out["met"]["elastic_s1_over_best_static"] is False
+    assert out["simulator"]["error"]["colocate"] == 0.1 and out["met"]["forecast_within_10pct"] is False
+    assert out["met"]["elastic_over_colocate"] is True
+
+
 def test_a_paced_runs_simulated_twin_has_its_scheduler_steps_and_device(tmp_path):
     """The timeline notebook's pair: a paced run and the simulator's run of its regime. The
     paced run here is itself simulated (cheap), its config made paced as the fleet's would be."""
