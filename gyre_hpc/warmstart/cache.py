@@ -135,11 +135,7 @@ def cached_warmstart(cfg: RunConfig, log=print) -> Path | None:
     shipped = shipped_warmstart(final.name)
     if shipped is None:
         return None
-    final.parent.mkdir(parents=True, exist_ok=True)
-    scratch = final.parent / f".{final.name}.{os.getpid()}"
-    shutil.rmtree(scratch, ignore_errors=True)
-    shutil.copytree(shipped, scratch)
-    fsio.replace_dir(scratch, final)
+    _copy_checkpoint(shipped, final.parent)
     log(f"[warmstart] installed the shipped checkpoint {final.name} into {final.parent}")
     return final
 
@@ -147,13 +143,17 @@ def cached_warmstart(cfg: RunConfig, log=print) -> Path | None:
 def ship_warmstart(path: Path, into: Path = SHIPPED) -> Path:
     """Copy the built checkpoint ``path`` into the package as ``shipped/<its key>`` (a
     maintainer's step, after a change that gives the shipped suite's config a new key)."""
-    path, into = Path(path), Path(into)
-    into.mkdir(exist_ok=True)
-    scratch = into / f".{path.name}.{os.getpid()}"
+    return _copy_checkpoint(Path(path), Path(into))
+
+
+def _copy_checkpoint(src: Path, parent: Path) -> Path:
+    """``src`` copied to ``parent/<its name>`` through a scratch copy renamed into place."""
+    parent.mkdir(parents=True, exist_ok=True)
+    scratch = parent / f".{src.name}.{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
-    shutil.copytree(path, scratch)
-    fsio.replace_dir(scratch, into / path.name)
-    return into / path.name
+    shutil.copytree(src, scratch)
+    fsio.replace_dir(scratch, parent / src.name)
+    return parent / src.name
 
 
 def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
