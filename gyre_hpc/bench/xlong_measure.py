@@ -17,8 +17,9 @@ trees, the warm-start checkpoint the step started from) and puts its figures on 
   request as the live run's, its seed, sampling and stop tokens, so the engine prefills and
   decodes the very output the journal holds (``outputs_reproduced`` counts the calls whose
   tokens match; a step-1 run was sampled by these weights, and the kernels are
-  batch-invariant) and keeps it as the live engine kept it. Replayed rather than timed in the live run so a call's figure is its own
-  cost, not the queueing of seven other runs on two shared cores.
+  batch-invariant) and keeps it as the live engine kept it. Replayed rather than timed in the
+  live run so a call's figure is its own cost, not the queueing of seven other runs on two
+  shared cores.
 - ``check_loss``: the training step's loss recomputed from the stored trees with the
   trainer's packing and kernels (forward only) and by the call-by-call float64 reference
   (``trees.reference``), with the step's rewards and with rewards that make every advantage
@@ -231,8 +232,12 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
                 "prefill_tokens": prefill_tokens, "context_tokens": context, "decode_tokens": decoded,
                 "reproduced": reproduced}
 
+    def least(replays: list[dict]) -> dict:
+        """Each call's least time of each timed part over ``replays``."""
+        return {key: np.min([r[key] for r in replays], axis=0).tolist() for key in ("assemble_s", "append_s", "engine_s")}
+
     runs = [replay(r) for r in range(REPLAYS)]
-    costs = {key: np.min([run[key] for run in runs], axis=0).tolist() for key in ("assemble_s", "append_s", "engine_s")}
+    costs = least(runs)
     out = call_cost_summary({"assemble_s": costs["assemble_s"], "append_s": costs["append_s"],
                              "prefill_s": costs["engine_s"], "prefill_tokens": runs[0]["prefill_tokens"],
                              "context_tokens": runs[0]["context_tokens"]})
@@ -240,7 +245,7 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
     if sampling is not None:
         whole = [replay(REPLAYS + r, whole=True) for r in range(WHOLE_REPLAYS)]
         out["whole_call"] = whole_call_summary({
-            **{key: np.min([w[key] for w in whole], axis=0).tolist() for key in ("assemble_s", "append_s", "engine_s")},
+            **least(whole),
             "context_tokens": whole[0]["context_tokens"], "decode_tokens": whole[0]["decode_tokens"],
             "reproduced": np.all([w["reproduced"] for w in whole], axis=0).tolist()})
         out["whole_call"]["replays"] = WHOLE_REPLAYS

@@ -110,17 +110,20 @@ def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
     return report
 
 
+def _checkpoint_at(path: Path) -> Path | None:
+    return path if (path / CONFIG_FILE).is_file() else None
+
+
 def shipped_warmstart(key: str) -> Path | None:
     """The checkpoint the package ships for ``key``, if any."""
-    path = SHIPPED / key
-    return path if (path / CONFIG_FILE).is_file() else None
+    return _checkpoint_at(SHIPPED / key)
 
 
 def warmstart_source(cfg: RunConfig) -> str:
     """Where ``ensure_warmstart`` would take ``cfg``'s checkpoint from: ``cache``, ``shipped``
     or ``build`` (looks, changes nothing)."""
     key = warmstart_key(cfg)
-    if (Path(cfg.warmstart.cache_dir) / key / CONFIG_FILE).is_file():
+    if _checkpoint_at(Path(cfg.warmstart.cache_dir) / key):
         return "cache"
     return "shipped" if shipped_warmstart(key) else "build"
 
@@ -128,9 +131,13 @@ def warmstart_source(cfg: RunConfig) -> str:
 def cached_warmstart(cfg: RunConfig, log=print) -> Path | None:
     """The checkpoint for ``cfg`` in the cache, the shipped one copied there if the cache lacks
     it, else None (trains nothing: a login node may call it)."""
-    final = Path(cfg.warmstart.cache_dir) / warmstart_key(cfg)
+    return _cached(Path(cfg.warmstart.cache_dir) / warmstart_key(cfg), log)
+
+
+def _cached(final: Path, log) -> Path | None:
+    """``cached_warmstart`` for the cache entry ``final`` (``<cache_dir>/<key>``)."""
     fsio.recover_dir(final)     # a rebuild killed between its renames left the old one aside
-    if (final / CONFIG_FILE).is_file():
+    if _checkpoint_at(final):
         return final
     shipped = shipped_warmstart(final.name)
     if shipped is None:
@@ -160,7 +167,7 @@ def ensure_warmstart(cfg: RunConfig, force: bool = False, log=print) -> Path:
     """The cached checkpoint for ``cfg`` (built now if missing); its directory."""
     root = Path(cfg.warmstart.cache_dir)
     final = root / warmstart_key(cfg)
-    if not force and cached_warmstart(cfg, log=log) is not None:
+    if not force and _cached(final, log) is not None:     # the key computed once: it builds a model
         log(f"[warmstart] using cached {final}")
         return final
     root.mkdir(parents=True, exist_ok=True)
