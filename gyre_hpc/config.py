@@ -205,6 +205,9 @@ class WarmstartConfig(_Section):
 
     enabled: bool = False
     cache_dir: str = Field("runs/warmstart", description="where built checkpoints are cached")
+    tasks: str | None = Field(
+        None, description="the suite the teacher runs (default: rollout.tasks): a warm start on smaller tasks "
+                          "than the ones RL runs on")
     runs_per_task: int = Field(2, ge=1, description="teacher trajectories per task (different seeds)")
     teacher_give_up: float = Field(
         0.0, ge=0, le=1, description="share of the teacher's runs that stop at the retry instead of delegating "

@@ -40,7 +40,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "xlong.yaml"
 SMALL = {
     "rollout": {"tasks": "xlong-mini", "tasks_per_step": 2, "runs_per_task": 2, "context_limit": 1024,
                 "run_timeout_s": 240, "subagent_turns": 16},
-    "warmstart": {"runs_per_task": 2, "steps": 60, "max_s": 120, "row_tokens": 1024},
+    "warmstart": {"tasks": "xlong-mini", "runs_per_task": 2, "steps": 60, "max_s": 120, "row_tokens": 1024},
     "train": {"row_tokens": 2048, "micro_batch_tokens": 4096},
 }
 

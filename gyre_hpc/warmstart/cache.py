@@ -30,7 +30,7 @@ from gyre_hpc import fsio
 from gyre_hpc.config import ConfigError, RunConfig
 from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
-from gyre_hpc.harness.tasks import load_suite
+from gyre_hpc.harness.tasks import load_suite, suite_names
 from gyre_hpc.harness.tokenizer import ChatFormat
 from gyre_hpc.models.checkpoint import CONFIG_FILE, save_pretrained
 from gyre_hpc.models.tiny_lm import build_model
@@ -43,12 +43,23 @@ RECIPE_VERSION = 1
 SHIPPED = Path(__file__).with_name("shipped")
 
 
+def warmstart_suite(cfg: RunConfig) -> tuple[str, str]:
+    """The suite the teacher runs and the field that names it: ``warmstart.tasks`` where set
+    (a warm start on smaller tasks than RL's), else ``rollout.tasks``."""
+    if cfg.warmstart.tasks is not None:
+        return cfg.warmstart.tasks, "warmstart.tasks"
+    return cfg.rollout.tasks, "rollout.tasks"
+
+
 def _tasks(cfg: RunConfig):
-    tasks = load_suite(cfg.rollout.tasks)
+    name, field = warmstart_suite(cfg)
+    if name not in suite_names():
+        raise ValueError(f"warmstart: {field}={name!r} is not a task suite; valid suites: {', '.join(suite_names())}")
+    tasks = load_suite(name)
     missing = [t.task_id for t in tasks if playbook_of(t) is None]
     if missing:
-        raise ValueError(f"warmstart: rollout.tasks={cfg.rollout.tasks!r} has tasks without a teacher playbook "
-                         f"({', '.join(missing)}); suites with playbooks: long, xlong")
+        raise ValueError(f"warmstart: {field}={name!r} has tasks without a teacher playbook "
+                         f"({', '.join(missing)}); suites with playbooks: long, xlong, xlong-large, xlong-mini")
     return tasks
 
 
@@ -78,7 +89,8 @@ def warmstart_key(cfg: RunConfig) -> str:
         "harness": repr(harness),
         "model": dataclasses.asdict(model.config),
         "tokenizer": _tokenizer_fingerprint(),
-        "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir", "seed"}),
+        # The suite is in "tasks" (by content, so naming the default suite keeps the key).
+        "sft": cfg.warmstart.model_dump(exclude={"enabled", "cache_dir", "seed", "tasks"}),
         "seed": cfg.warmstart.seed,
     }
     variants = teacher_variants(tasks, cfg.warmstart.runs_per_task)
@@ -103,7 +115,7 @@ def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
     model = build_model(cfg.model.preset, seed=ws.seed)
     sft = train_sft(model, runs.trees, steps=ws.steps, lr=ws.lr, row_tokens=ws.row_tokens, max_s=ws.max_s,
                     seed=ws.seed, log=log)
-    report = {"key": key, "suite": cfg.rollout.tasks, "preset": cfg.model.preset, "teacher": teacher,
+    report = {"key": key, "suite": warmstart_suite(cfg)[0], "preset": cfg.model.preset, "teacher": teacher,
               "sft": dataclasses.asdict(sft), "seconds": time.perf_counter() - t0}
     save_pretrained(model, out, extra={"warmstart": report})
     (out / "warmstart.json").write_text(json.dumps(report, indent=1))

@@ -13,7 +13,8 @@ from gyre_hpc.harness.client import Completion
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.repo_teacher import RepoTeacher, first_failure, last_user_turn
 from gyre_hpc.harness.tasks import check_workspace, load_suite
-from gyre_hpc.harness.tasks.xlong import MODULES, SIZES, XLONG_PLAYBOOKS, fix_message, module_source, repo_variant
+from gyre_hpc.harness.tasks.xlong import (LARGE_SIZES, MODULES, SIZES, XLONG_PLAYBOOKS, fix_message, module_source,
+                                         repo_variant)
 from gyre_hpc.harness.tools import ToolError
 from gyre_hpc.models.tokenizer import embedded_tokenizer
 from gyre_hpc.trees.builder import build_tree
@@ -120,6 +121,19 @@ def test_teacher_finishes_every_task_the_long_way(tmp_path):
     assert np.array_equal(tree.tokens, whole.tokens) and np.array_equal(tree.parent, whole.parent)
     for k in (0, len(longest.calls) // 2, len(longest.calls) - 1):
         np.testing.assert_array_equal(tree.path(k), longest.calls.seq(k))
+
+
+def test_xlong_large_holds_larger_repositories_of_the_same_kind():
+    large, small = {t.task_id: t for t in load_suite("xlong-large")}, _tasks()
+    assert list(large) == list(LARGE_SIZES) and min(LARGE_SIZES.values()) == max(SIZES.values())
+    assert large["xl-p8"] == small["xl-p8"]           # the size both suites hold is the same task
+    for tid, packages in LARGE_SIZES.items():
+        pb = XLONG_PLAYBOOKS[tid]
+        assert len(pb.modules) == packages * MODULES and pb.modules[-1].path == f"p{packages - 1}/m15.py"
+        # a module test per module, a package test per package; the main agent's turns grow with it
+        assert len(large[tid].tests) == packages * (MODULES + 1)
+        assert large[tid].max_turns == 2 * (3 * MODULES + 2 * (packages - 1) + 2)
+    assert repo_variant("xl-p11", 1)[0].tests != large["xl-p11"].tests     # a teacher could run them too
 
 
 def test_teacher_variants_change_the_wants_and_leave_some_modules_right_on_odd_variants(tmp_path):

@@ -52,8 +52,24 @@ def test_warmstart_key_follows_suite_preset_and_settings(tmp_path):
 
 
 def test_warmstart_refuses_a_suite_the_teacher_does_not_know(tmp_path):
-    with pytest.raises(ValueError, match="without a teacher playbook"):
+    with pytest.raises(ValueError, match="rollout.tasks='easy' has tasks without a teacher playbook"):
         warmstart_key(_cfg(tmp_path, "rollout.tasks=easy"))
+    with pytest.raises(ValueError, match="warmstart.tasks='easy' has tasks without a teacher playbook"):
+        warmstart_key(_cfg(tmp_path, "warmstart.tasks=easy"))
+    with pytest.raises(ValueError, match="warmstart.tasks='nope' is not a task suite; valid suites: builtin"):
+        warmstart_key(_cfg(tmp_path, "warmstart.tasks=nope"))
+
+
+def test_warmstart_tasks_picks_the_suite_the_teacher_runs_and_rl_may_run_larger_ones(tmp_path):
+    base = warmstart_key(_cfg(tmp_path))                                      # the teacher runs rollout.tasks
+    assert base == warmstart_key(_cfg(tmp_path, "warmstart.tasks=long"))      # naming it keeps the key
+    assert base == warmstart_key(_cfg(tmp_path, "rollout.tasks=xlong-large", "warmstart.tasks=long"))
+    assert base != warmstart_key(_cfg(tmp_path, "warmstart.tasks=xlong-mini"))
+    # examples/xlong.yaml: warm start on xlong, RL on xlong-large, under the key that ships.
+    xlong = load_config(str(EXAMPLES / "xlong.yaml"))
+    assert (xlong.rollout.tasks, xlong.warmstart.tasks) == ("xlong-large", "xlong")
+    assert warmstart_key(xlong) == warmstart_key(load_config(str(EXAMPLES / "xlong.yaml"),
+                                                             ["rollout.tasks=xlong", "warmstart.tasks=null"]))
 
 
 @pytest.mark.slow

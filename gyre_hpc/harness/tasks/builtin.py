@@ -17,12 +17,13 @@ a few tests each, for models that have learnt the tool-call syntax.
 ``long``: the long-horizon coding suite (``longhorizon.py``), tens of model calls per run.
 
 ``xlong``: repositories of many modules (``xlong.py``), hundreds of model calls per run;
-``xlong-mini`` the same at a few dozen.
+``xlong-large`` larger repositories of the same kind (~440 to ~620 calls); ``xlong-mini`` the
+same at a few dozen.
 """
 from __future__ import annotations
 
 from gyre_hpc.harness.tasks.longhorizon import LONG
-from gyre_hpc.harness.tasks.xlong import XLONG, XLONG_MINI
+from gyre_hpc.harness.tasks.xlong import XLONG, XLONG_LARGE, XLONG_MINI
 from gyre_hpc.harness.tasks.spec import Task, TaskTest
 
 
@@ -101,4 +102,5 @@ REPO = (
 )
 
 SUITES: dict[str, tuple[Task, ...]] = {"easy": EASY, "repo": REPO, "builtin": EASY + REPO, "long": LONG,
-                                        "xlong": XLONG, "xlong-mini": XLONG_MINI}
+                                        "xlong": XLONG, "xlong-large": XLONG_LARGE,
+                                        "xlong-mini": XLONG_MINI}

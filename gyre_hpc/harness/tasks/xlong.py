@@ -37,6 +37,11 @@ from gyre_hpc.harness.tasks.spec import Task, TaskTest
 MODULES = 16            # modules per package
 # Packages per task: the run lengths of the suite (~290 to ~470 calls for a competent agent).
 SIZES = {"xl-p5": 5, "xl-p6": 6, "xl-p7": 7, "xl-p8": 8}
+# ``xlong-large``: the same repositories from 8 to 11 packages (~440 to ~620 calls, 0.8 to 1.1
+# million tokens of context a run), for RL after a warm start on ``xlong`` (examples/xlong.yaml):
+# every argument a call needs is in the last report, so a policy that learnt to copy it carries
+# to repositories larger than any it was warm-started on.
+LARGE_SIZES = {"xl-p8": 8, "xl-p9": 9, "xl-p10": 10, "xl-p11": 11}
 # ``xlong-mini``: the same shape at a few dozen calls (packages, modules each), for quick checks
 # (``gyre-hpc bench xlong --small``, tests).
 MINI_SIZES = {"xm-p2": (2, 3), "xm-p3": (3, 3)}
@@ -173,15 +178,16 @@ VARIANT_BROKEN = 0.8
 def repo_variant(task_id: str, k: int) -> tuple[Task, RepoPlaybook]:
     """Variant ``k`` (0, 1, ...) of suite task ``task_id``, with its playbook: all modules
     broken for even ``k``, a share ``VARIANT_BROKEN`` for odd ``k``."""
-    sizes = {**{t: (n, MODULES) for t, n in SIZES.items()}, **MINI_SIZES}
+    sizes = {**{t: (n, MODULES) for t, n in {**SIZES, **LARGE_SIZES}.items()}, **MINI_SIZES}
     if task_id not in sizes:
         raise ValueError(f"task {task_id!r} is not an xlong task; they are {', '.join(sizes)}")
     packages, modules = sizes[task_id]
     return repo_task(task_id, packages, modules, seed=k + 1, broken=1.0 if k % 2 == 0 else VARIANT_BROKEN)
 
 
-_BUILT = {tid: repo_task(tid, n) for tid, n in SIZES.items()}
+_BUILT = {tid: repo_task(tid, n) for tid, n in {**SIZES, **LARGE_SIZES}.items()}
 _MINI = {tid: repo_task(tid, p, m) for tid, (p, m) in MINI_SIZES.items()}
-XLONG = tuple(task for task, _ in _BUILT.values())
+XLONG = tuple(_BUILT[tid][0] for tid in SIZES)
+XLONG_LARGE = tuple(_BUILT[tid][0] for tid in LARGE_SIZES)
 XLONG_MINI = tuple(task for task, _ in _MINI.values())
 XLONG_PLAYBOOKS: dict[str, RepoPlaybook] = {tid: pb for tid, (_, pb) in {**_BUILT, **_MINI}.items()}
