@@ -13,7 +13,8 @@ trees, the warm-start checkpoint the step started from) and puts its figures on 
   made a client request (``TokenContext.array``, the ids the router sends), the journal record
   appended with its fsync (``JournalWriter.append``), and the engine's prefill of it behind the
   session's retained context (``TorchEngine`` with the step's starting weights, one sampled
-  token). Then the whole call, twice more (``whole_call``, the least of the two): the same
+  token). Then the whole call (``whole_call``): every call once more, and the first and last
+  tenth of the calls, which the ratio compares, once again (the least of the two): the same
   request as the live run's, its seed, sampling and stop tokens, so the engine prefills and
   decodes the very output the journal holds (``outputs_reproduced`` counts the calls whose
   tokens match; a step-1 run was sampled by these weights, and the kernels are
@@ -93,9 +94,21 @@ def measure_run(journal: str, max_turns: int, row_tokens: int, workdir: str, que
     })
 
 
+def window_size(calls: int, share: float = 0.1) -> int:
+    """Calls in the first (and in the last) ``share`` of a run of ``calls``: what
+    ``tail_ratio`` compares."""
+    return max(1, math.ceil(share * calls))
+
+
+def window_calls(calls: int, share: float = 0.1) -> set[int]:
+    """Indices of the calls in the first and the last ``share`` of a run of ``calls``."""
+    n = window_size(calls, share)
+    return set(range(min(n, calls))) | set(range(max(0, calls - n), calls))
+
+
 def tail_ratio(costs: list[float], share: float = 0.1) -> dict:
     """Mean cost of the last ``share`` of the calls, of the first, and their ratio."""
-    n = max(1, math.ceil(share * len(costs)))
+    n = window_size(len(costs), share)
     first, last = float(np.mean(costs[:n])), float(np.mean(costs[-n:]))
     return {"first_ms": 1e3 * first, "last_ms": 1e3 * last, "last_over_first": last / first if first > 0 else None}
 
@@ -163,8 +176,11 @@ def whole_call_summary(costs: dict) -> dict:
 
 
 REPLAYS = 3   # a call costs ~10 ms; on a shared 2-core box a wait for a core is as long
-# A whole call costs ~50 ms (its decode), so fewer replays keep the bench in its 15 minutes;
-# one alone showed bursts (a tenth of a run's calls at 1.4x, not there in the other parts).
+# A whole call costs ~50 ms (its decode), so fewer replays keep the bench in its 15 minutes:
+# the first replays every call whole, the others only the first and last tenth of the calls
+# that the ratio compares (the rest run as the pipeline replays do, one token, and are not
+# timed). One replay alone showed bursts (a tenth of a run's calls at 1.4x, not there in the
+# other parts).
 WHOLE_REPLAYS = 2
 
 
@@ -173,8 +189,9 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
     """Each call's cost, each part the least of ``REPLAYS`` replays of the whole run (each with
     a fresh engine and journal, so every replay sees the same retained contexts); with
     ``sampling`` (the run's seed, the rollout's ``temperature``, ``top_p``, ``max_new_tokens``
-    and the tokenizer's ``stop`` ids) ``WHOLE_REPLAYS`` more of each call whole (``whole_call``;
-    an output counts as reproduced when every replay gave the journal's)."""
+    and the tokenizer's ``stop`` ids) ``WHOLE_REPLAYS`` more of the calls whole (``whole_call``:
+    the first of every call, the others of the first and last tenth; an output counts as
+    reproduced when every replay that ran it whole gave the journal's)."""
     import torch
 
     from gyre_hpc.engines.requests import Request, SamplingParams
@@ -194,7 +211,9 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
                               top_p=sampling["top_p"], seed=call_seed(sampling["run_seed"], ids),
                               stop_token_ids=tuple(sampling["stop"]))
 
-    def replay(r: int, whole: bool = False) -> dict:
+    def replay(r: int, whole: bool = False, only: set[int] | None = None) -> dict:
+        """One replay of the run; ``whole``: each call whole, or with ``only`` just those calls
+        (the others sample one token, as the pipeline replays do, and time as NaN)."""
         engine = TorchEngine(load_pretrained(model_dir, dtype=torch.float32), invariant=invariant)
         writer = JournalWriter.create(Path(workdir) / f"replay{r}.journal", "replay", "replay")
         seqs: list[TokenContext] = []
@@ -202,9 +221,10 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
         for k, inc in enumerate(log.increments):
             ctx = (seqs[inc.base].prefix(inc.shared).extend(inc.new) if inc.base >= 0
                    else TokenContext.of(inc.new)).as_call(k)
+            timed = whole and (only is None or k in only)
             t0 = time.perf_counter()
             ids = ctx.array.tolist()                           # the loop: the prompt for the client
-            request = Request(f"c{k}", tuple(int(t) for t in ids), params(k, ids, whole),
+            request = Request(f"c{k}", tuple(int(t) for t in ids), params(k, ids, timed),
                               session=inc.agent)               # the router: the request it sends
             new = ctx.tail(inc.shared)                         # the loop: the journal's new tokens
             t1 = time.perf_counter()
@@ -219,13 +239,14 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
                 if not done:
                     engine.step()
             t3 = time.perf_counter()
-            assemble.append(t1 - t0)
-            append.append(t2 - t1)
-            engine_s.append(t3 - t2)
+            untimed = whole and not timed
+            assemble.append(math.nan if untimed else t1 - t0)
+            append.append(math.nan if untimed else t2 - t1)
+            engine_s.append(math.nan if untimed else t3 - t2)
             prefill_tokens.append(engine.counters().prefill_tokens - before)
             context.append(inc.prompt_len)
             decoded.append(len(done[0].token_ids))
-            reproduced.append(tuple(done[0].token_ids) == tuple(int(t) for t in inc.output))
+            reproduced.append(None if untimed else tuple(done[0].token_ids) == tuple(int(t) for t in inc.output))
             seqs.append(ctx.extend(inc.output).as_call(k))
         writer.close()
         return {"assemble_s": assemble, "append_s": append, "engine_s": engine_s,
@@ -233,8 +254,9 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
                 "reproduced": reproduced}
 
     def least(replays: list[dict]) -> dict:
-        """Each call's least time of each timed part over ``replays``."""
-        return {key: np.min([r[key] for r in replays], axis=0).tolist() for key in ("assemble_s", "append_s", "engine_s")}
+        """Each call's least time of each timed part over the ``replays`` that timed it."""
+        return {key: np.nanmin([r[key] for r in replays], axis=0).tolist()
+                for key in ("assemble_s", "append_s", "engine_s")}
 
     runs = [replay(r) for r in range(REPLAYS)]
     costs = least(runs)
@@ -243,12 +265,14 @@ def measure_call_costs(journal: str, model_dir: str, invariant: bool, workdir: s
                              "context_tokens": runs[0]["context_tokens"]})
     out["replays"] = REPLAYS
     if sampling is not None:
-        whole = [replay(REPLAYS + r, whole=True) for r in range(WHOLE_REPLAYS)]
+        windows = window_calls(len(log.increments))
+        whole = [replay(REPLAYS + r, whole=True, only=None if r == 0 else windows) for r in range(WHOLE_REPLAYS)]
         out["whole_call"] = whole_call_summary({
             **least(whole),
             "context_tokens": whole[0]["context_tokens"], "decode_tokens": whole[0]["decode_tokens"],
-            "reproduced": np.all([w["reproduced"] for w in whole], axis=0).tolist()})
+            "reproduced": [all(w["reproduced"][k] is not False for w in whole) for k in range(len(log.increments))]})
         out["whole_call"]["replays"] = WHOLE_REPLAYS
+        out["whole_call"]["replays_of_the_other_calls"] = 1
     queue.put(out)
 
 

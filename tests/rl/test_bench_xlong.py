@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from gyre_hpc.bench.xlong import bench_config
-from gyre_hpc.bench.xlong_measure import call_cost_summary, same_context_ratio, tail_ratio, whole_call_summary
+from gyre_hpc.bench.xlong_measure import (call_cost_summary, same_context_ratio, tail_ratio, whole_call_summary,
+                                         window_calls)
 from tests.rl.rl_helpers import REPO, mpi_env
 
 
@@ -23,6 +24,14 @@ def test_tail_ratio_compares_the_last_tenth_of_the_calls_with_the_first():
                            "prefill_tokens": [5] * 20, "context_tokens": list(range(20))})
     assert s["total"]["last_over_first"] == pytest.approx(0.75 / 0.6) and s["prefill_tokens"] == 100
     assert len(s["total_ms_by_decile"]) == 10 and s["total_s"] == pytest.approx(12.3)
+
+
+def test_window_calls_are_the_calls_tail_ratio_compares():
+    assert window_calls(100) == set(range(10)) | set(range(90, 100))
+    assert window_calls(101) == set(range(11)) | set(range(90, 101))      # a tenth rounded up, as tail_ratio
+    assert window_calls(3) == {0, 2} and window_calls(1) == {0}
+    costs = [1.0 if k in window_calls(57) else 100.0 for k in range(57)]   # what lies between is not compared
+    assert tail_ratio(costs)["last_over_first"] == 1.0
 
 
 def test_whole_call_summary_adds_the_engines_prefill_and_decode_to_the_loops_parts():
@@ -62,8 +71,10 @@ def test_bench_config_is_the_example_for_one_step_here(tmp_path):
     cfg = bench_config(REPO / "examples" / "xlong.yaml", tmp_path / "run", small=True, warmstart_cache=str(tmp_path))
     assert cfg["train"]["steps"] == 1 and cfg["launcher"] == "local" and cfg["run_dir"] == str(tmp_path / "run")
     assert cfg["rollout"]["tasks"] == "xlong-mini" and cfg["warmstart"]["cache_dir"] == str(tmp_path)
+    assert cfg["warmstart"]["tasks"] == "xlong-mini"     # --small never builds the full suite's warm start
     full = bench_config(REPO / "examples" / "xlong.yaml", tmp_path / "run", small=False, warmstart_cache=None)
-    assert full["rollout"]["tasks"] == "xlong" and full["rollout"]["tasks_per_step"] * full["rollout"]["runs_per_task"] >= 8
+    assert full["rollout"]["tasks"] == "xlong-large" and full["warmstart"]["tasks"] == "xlong"
+    assert full["rollout"]["tasks_per_step"] * full["rollout"]["runs_per_task"] >= 8
 
 
 @pytest.mark.mpi
@@ -85,6 +96,7 @@ def test_bench_xlong_small_reports_runs_costs_growth_and_the_loss_against_the_re
         # The whole call replayed as the live one: the engine samples the journal's own output.
         whole = r["call_cost"]["whole_call"]
         assert whole["calls"] == r["calls"] and whole["outputs_reproduced"] == r["calls"]
+        assert whole["replays"] == 2 and whole["replays_of_the_other_calls"] == 1
         assert whole["decode_tokens"] == r["output_tokens"] and whole["first_ms"] > r["call_cost"]["total"]["first_ms"]
     assert sum(out["summary"]["ended_by"].values()) == 4
     assert out["summary"]["controller_peak_rss_mb"] > 0 and out["summary"]["train_peak_rss_mb"] > 0
