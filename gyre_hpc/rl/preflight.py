@@ -29,8 +29,13 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.rollout.tasks not in suites:
         raise ConfigError(f"rollout.tasks={cfg.rollout.tasks!r} is not a task suite; valid suites: {', '.join(suites)}")
     if cfg.model.path:
+        from gyre_hpc.models.checkpoint import CONFIG_FILE
+
         if not Path(cfg.model.path).is_dir():
             raise ConfigError(f"model.path={cfg.model.path!r} is not a checkpoint directory")
+        if not (Path(cfg.model.path) / CONFIG_FILE).is_file():
+            raise ConfigError(f"model.path={cfg.model.path!r} holds no {CONFIG_FILE}: not an HF-format checkpoint "
+                              f"directory")
         return
     from gyre_hpc.models.tiny_lm import PRESETS
 
@@ -39,10 +44,17 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def prepare_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:
-    """``cfg`` starting from its warm-start checkpoint (``warmstart.cache.with_warmstart``)."""
+    """``cfg`` starting from its warm-start checkpoint (``warmstart.cache.with_warmstart``), its
+    ``model.path`` made absolute. Why absolute: a relative path is the user's, from where they
+    started the run, but the fleet's ranks start in the run directory, where it names nothing
+    (found after four launches, the error only in the fleet log)."""
     from gyre_hpc.warmstart.cache import with_warmstart
 
-    return with_warmstart(cfg, log=log, build=build)
+    cfg = with_warmstart(cfg, log=log, build=build)
+    if cfg.model.path and not Path(cfg.model.path).is_absolute():
+        path = str(Path(cfg.model.path).expanduser().resolve())
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
