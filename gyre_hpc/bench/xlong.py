@@ -67,6 +67,21 @@ def bench_config(config: Path, run_dir: Path, small: bool, warmstart_cache: str 
     return cfg
 
 
+def ends_inward(sizes: list[float]) -> list[int]:
+    """Indices of ``sizes`` from both ends inward: the shortest, the longest, the next shortest,
+    and so on. The order the runs' call costs are measured in, one after the other over ~8
+    minutes: in store order the longest runs came last (the suite's tasks grow along it), so a
+    host that slowed over those minutes read as cost growing with run length (a whole-call
+    exponent of 1.19); from both ends a drift lands on short and long runs alike."""
+    ranked = sorted(range(len(sizes)), key=lambda k: sizes[k])
+    out = []
+    while ranked:
+        out.append(ranked.pop(0))
+        if ranked:
+            out.append(ranked.pop())
+    return out
+
+
 def _train_times(run_dir: Path, groups: list[dict]) -> list[dict]:
     """Each advantage group's training time, from the replicas' ``train_mb`` reports."""
     from gyre_hpc.rundir.load import open_run
@@ -104,7 +119,7 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
             timeout_s: float) -> None:
     """One RL step of xLong runs: calls, tokens, sharing, per-call cost, memory, build/store/pack/train growth."""
     from gyre_hpc.bench.e2e import run_config
-    from gyre_hpc.bench.xlong_measure import check_loss, measure_call_costs, measure_run
+    from gyre_hpc.bench.xlong_measure import check_loss, measure_call_costs, measure_run, time_builds
     from gyre_hpc.config import build_config
     from gyre_hpc.models.tokenizer import load_tokenizer
     from gyre_hpc.rl.runs import sample_runs
@@ -151,8 +166,9 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
     work.mkdir(parents=True, exist_ok=True)
 
     t_measure = time.perf_counter()
-    runs = []
-    for rid in order:
+    measured = {}
+    sizes = [(run.journals / f"{rid}.journal").stat().st_size for rid in order]
+    for rid in (order[k] for k in ends_inward(sizes)):
         journal = str(run.journals / f"{rid}.journal")
         task_id = str(runs_table["task_id"].values[list(runs_table["run_id"].values).index(rid)])
         r = in_child(measure_run, journal, max_turns[task_id], cfg.train.row_tokens, str(work),
@@ -160,7 +176,12 @@ def command(as_json: bool, small: bool, config_path: str, out: str | None, warms
         r["call_cost"] = in_child(measure_call_costs, journal, model_dir, cfg.model.numerics == "invariant",
                                   str(work), {**sampling, "run_seed": run_seeds[rid]},
                                   label=f"bench xlong: call costs {rid}")
-        runs.append(r)
+        measured[rid] = r
+    runs = [measured[rid] for rid in order]
+    builds = in_child(time_builds, [str(run.journals / f"{rid}.journal") for rid in order],
+                      label="bench xlong: builds")
+    for k, r in enumerate(runs):
+        r["build_s"], r["build_whole_prompts_s"] = builds["build_s"][k], builds["build_whole_prompts_s"][k]
     train = {k: getattr(cfg.train, k) for k in ("shared_targets", "averaging", "row_tokens", "micro_batch_tokens",
                                                   "group_forest", "clip_eps")}
     attention = "invariant" if cfg.model.numerics == "invariant" else cfg.train.attention

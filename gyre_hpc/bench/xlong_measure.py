@@ -8,6 +8,7 @@ trees, the warm-start checkpoint the step started from) and puts its figures on 
   increments), its tokens and roles, how it ended, ``build_tree`` from the increments beside
   ``build_tree`` fed every whole prompt (the two trees must be identical), a store append and
   ``pack`` of its tree.
+- ``time_builds``: both builds timed for every run, the runs in turn.
 - ``measure_call_costs``: the cost of each of the run's calls through the code a live call
   runs, replayed from the journal in order: the prompt assembled from its context segments and
   made a client request (``TokenContext.array``, the ids the router sends), the journal record
@@ -52,7 +53,7 @@ def ended_by(log, status: str, max_turns: int) -> str:
 
 
 def measure_run(journal: str, max_turns: int, row_tokens: int, workdir: str, queue) -> None:
-    from gyre_hpc.bench.scale import best_of, load_held
+    from gyre_hpc.bench.scale import load_held
     from gyre_hpc.trees.builder import build_tree
     from gyre_hpc.trees.packing import pack
     from gyre_hpc.trees.store import TreeStore
@@ -65,15 +66,13 @@ def measure_run(journal: str, max_turns: int, row_tokens: int, workdir: str, que
     outputs = sum(int(i.output.size) for i in incs)
     meta = dict(run_id=state.run_id, task_id=state.task_id, reward=state.reward or 0.0,
                 status=state.status if state.finished else "finished")
-    # A few ms a build: 25 tries (~0.1 s) so one burst of other work on the shared cores
-    # cannot lift the least of them (with 7, one run's 4.7 ms once came out 5.3 ms).
-    build_s, tree = best_of(25, lambda: build_tree(log, **meta))
-    calls = list(log)                    # every prompt whole: the baseline's input (not timed)
-    build_whole_s, whole = best_of(7, lambda: build_tree(calls, **meta))
+    # Built once here, timed across the runs by ``time_builds``.
+    tree = build_tree(log, **meta)
+    whole = build_tree(list(log), **meta)       # every prompt whole: the baseline's input
     identical = all(np.array_equal(getattr(tree, f), getattr(whole, f))
                     for f in ("tokens", "logprobs", "trained", "node_start", "node_len", "parent", "node_role",
                               "call_node", "sample_token", "sample_logprob", "sample_call"))
-    del calls, whole
+    del whole
     t0 = time.perf_counter()
     with TreeStore.open(Path(workdir) / f"{state.run_id}.zarr", "a") as store:
         store.append([tree])
@@ -89,7 +88,7 @@ def measure_run(journal: str, max_turns: int, row_tokens: int, workdir: str, que
         "trained_tokens": int(tree.trained.sum()), "sharing_ratio": (context + outputs) / max(tree.n_tokens, 1),
         "journal_bytes": Path(journal).stat().st_size, "journal_load_s": load_s,
         "harness_held_mb": traced / 2**20, "harness_rss_mb": held / 2**20,
-        "build_s": build_s, "build_whole_prompts_s": build_whole_s, "build_identical": bool(identical),
+        "build_identical": bool(identical),
         "store_append_s": store_s, "pack_s": pack_s, "packed_rows": len(rows),
     })
 
@@ -104,6 +103,34 @@ def window_calls(calls: int, share: float = 0.1) -> set[int]:
     """Indices of the calls in the first and the last ``share`` of a run of ``calls``."""
     n = window_size(calls, share)
     return set(range(min(n, calls))) | set(range(max(0, calls - n), calls))
+
+
+BUILD_TRIES = 50        # ~5 ms a build from increments
+WHOLE_BUILD_TRIES = 7   # ~40 ms from every whole prompt
+
+
+def time_builds(journals: list[str], queue) -> None:
+    """Each run's least CPU time of ``build_tree`` from its increments (``BUILD_TRIES``) and
+    from every whole prompt (``WHOLE_BUILD_TRIES``), the runs taken in turn each round. Why in
+    turn: on a shared host a slow spell lasts seconds, longer than one run's tries, and timed
+    one run after the other it landed on some runs only (a 430-call run's least of 25 at 7.4
+    ms against 5.1 ms for its twin, and a growth exponent of 0.47); in turn it lands on all."""
+    from gyre_hpc.harness.journal import load_journal
+    from gyre_hpc.trees.builder import build_tree
+
+    logs = [load_journal(j).calls for j in journals]
+    wholes = [list(log) for log in logs]
+
+    def least(inputs: list, tries: int) -> list[float]:
+        best = [math.inf] * len(inputs)
+        for _ in range(tries):
+            for i, x in enumerate(inputs):
+                t0 = time.process_time()
+                build_tree(x)
+                best[i] = min(best[i], time.process_time() - t0)
+        return best
+
+    queue.put({"build_s": least(logs, BUILD_TRIES), "build_whole_prompts_s": least(wholes, WHOLE_BUILD_TRIES)})
 
 
 def tail_ratio(costs: list[float], share: float = 0.1) -> dict:

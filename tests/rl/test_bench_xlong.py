@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gyre_hpc.bench.xlong import bench_config
+from gyre_hpc.bench.xlong import bench_config, ends_inward
 from gyre_hpc.bench.xlong_measure import (call_cost_summary, same_context_ratio, tail_ratio, whole_call_summary,
                                          window_calls)
 from tests.rl.rl_helpers import REPO, mpi_env
@@ -24,6 +24,15 @@ def test_tail_ratio_compares_the_last_tenth_of_the_calls_with_the_first():
                            "prefill_tokens": [5] * 20, "context_tokens": list(range(20))})
     assert s["total"]["last_over_first"] == pytest.approx(0.75 / 0.6) and s["prefill_tokens"] == 100
     assert len(s["total_ms_by_decile"]) == 10 and s["total_s"] == pytest.approx(12.3)
+
+
+def test_runs_are_measured_from_both_ends_of_their_lengths_inward():
+    assert ends_inward([430, 654, 493, 614, 542, 435, 569, 499]) == [0, 1, 5, 3, 2, 6, 7, 4]
+    assert ends_inward([3.0]) == [0] and ends_inward([]) == []
+    order = ends_inward(list(range(9)))
+    assert sorted(order) == list(range(9))
+    # a drift in time: the first half of the order holds as much length as the second
+    assert abs(sum(order[:4]) - sum(order[4:8])) <= 4
 
 
 def test_window_calls_are_the_calls_tail_ratio_compares():
