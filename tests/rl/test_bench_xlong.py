@@ -35,6 +35,29 @@ def test_runs_are_measured_from_both_ends_of_their_lengths_inward():
     assert abs(sum(order[:4]) - sum(order[4:8])) <= 4
 
 
+def test_time_builds_times_every_journal_both_ways_and_a_longer_run_takes_longer(tmp_path):
+    import queue
+
+    from gyre_hpc.bench.xlong_measure import time_builds
+    from gyre_hpc.harness.journal import JournalWriter
+    from gyre_hpc.trees.synthetic import SyntheticConfig, synthetic_journal
+
+    paths = []
+    for n in (40, 400):
+        path = tmp_path / f"run{n}.journal"
+        writer = JournalWriter.create(path, f"run{n}", "task")
+        for call in synthetic_journal(SyntheticConfig(n_calls=n), seed=0):
+            writer.append_call(call)
+        writer.close()
+        paths.append(str(path))
+    q = queue.Queue()
+    time_builds(paths, q)
+    out = q.get()
+    assert len(out["build_s"]) == len(out["build_whole_prompts_s"]) == 2
+    assert 0 < out["build_s"][0] < out["build_s"][1]            # ten times the calls: more time, in turn
+    assert out["build_s"][1] < out["build_whole_prompts_s"][1]   # increments beat every whole prompt
+
+
 def test_window_calls_are_the_calls_tail_ratio_compares():
     assert window_calls(100) == set(range(10)) | set(range(90, 100))
     assert window_calls(101) == set(range(11)) | set(range(90, 101))      # a tenth rounded up, as tail_ratio
