@@ -32,7 +32,7 @@ from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
 from gyre_hpc.harness.tasks import load_suite, suite_names
 from gyre_hpc.harness.tokenizer import ChatFormat
-from gyre_hpc.models.checkpoint import CONFIG_FILE, save_pretrained
+from gyre_hpc.models.checkpoint import is_checkpoint, save_pretrained
 from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.models.tokenizer import embedded_tokenizer
 from gyre_hpc.warmstart.sft import train_sft
@@ -53,14 +53,17 @@ def warmstart_suite(cfg: RunConfig) -> tuple[str, str]:
 
 def _tasks(cfg: RunConfig):
     name, field = warmstart_suite(cfg)
-    if name not in suite_names():
-        raise ValueError(f"warmstart: {field}={name!r} is not a task suite; valid suites: {', '.join(suite_names())}")
-    tasks = load_suite(name)
+    tasks = load_suite(name, field)
     missing = [t.task_id for t in tasks if playbook_of(t) is None]
     if missing:
         raise ValueError(f"warmstart: {field}={name!r} has tasks without a teacher playbook "
-                         f"({', '.join(missing)}); suites with playbooks: long, xlong, xlong-large, xlong-mini")
+                         f"({', '.join(missing)}); suites with playbooks: {', '.join(playbook_suites())}")
     return tasks
+
+
+def playbook_suites() -> list[str]:
+    """The suites a teacher can run: every task has a playbook."""
+    return [n for n in suite_names() if all(playbook_of(t) is not None for t in load_suite(n))]
 
 
 def teacher_harness(cfg: RunConfig) -> HarnessConfig:
@@ -123,7 +126,7 @@ def build_warmstart(cfg: RunConfig, out: Path, key: str, log=print) -> dict:
 
 
 def _checkpoint_at(path: Path) -> Path | None:
-    return path if (path / CONFIG_FILE).is_file() else None
+    return path if is_checkpoint(path) else None
 
 
 def shipped_warmstart(key: str) -> Path | None:

@@ -17,6 +17,8 @@ REFERENCE = {
 def test_unknown_suite_lists_the_valid_ones():
     with pytest.raises(ValueError, match="rollout.tasks='nope'.*builtin, easy, long, repo, xlong, xlong-large, xlong-mini"):
         load_suite("nope")
+    with pytest.raises(ValueError, match="^warmstart.tasks='nope' is not a task suite"):   # the field that named it
+        load_suite("nope", "warmstart.tasks")
     assert suite_names() == ["builtin", "easy", "long", "repo", "xlong", "xlong-large", "xlong-mini"]
     assert {t.task_id for t in load_suite("builtin")} == {t.task_id for t in load_suite("easy") + load_suite("repo")}
 

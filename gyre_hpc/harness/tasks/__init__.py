@@ -12,8 +12,9 @@ def suite_names() -> list[str]:
     return sorted(SUITES)
 
 
-def load_suite(name: str) -> list[Task]:
-    """The tasks of suite ``name`` (``rollout.tasks`` in the run config)."""
+def load_suite(name: str, field: str = "rollout.tasks") -> list[Task]:
+    """The tasks of suite ``name``; ``field`` is the config field that named it, so that an
+    unknown name is refused by the field the user wrote (``rollout.tasks``, ``warmstart.tasks``)."""
     if name not in SUITES:
-        raise ValueError(f"rollout.tasks={name!r} is not a task suite; valid suites: {', '.join(suite_names())}")
+        raise ValueError(f"{field}={name!r} is not a task suite; valid suites: {', '.join(suite_names())}")
     return list(SUITES[name])
