@@ -132,6 +132,12 @@ def _rope(raw: dict, path: Path) -> tuple[float, tuple | None]:
     return theta, tuple(sorted((k, float(scaling[k])) for k in keep)) + (("rope_type", "llama3"),)
 
 
+def is_checkpoint(directory: str | Path) -> bool:
+    """Whether ``directory`` is an HF-format checkpoint, by its ``config.json``: the file every
+    reader opens first, and the last one ``save_pretrained`` writes (a half-written directory has none)."""
+    return (Path(directory) / CONFIG_FILE).is_file()
+
+
 def read_config(directory: str | Path) -> LMConfig:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():

@@ -29,11 +29,11 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.rollout.tasks not in suites:
         raise ConfigError(f"rollout.tasks={cfg.rollout.tasks!r} is not a task suite; valid suites: {', '.join(suites)}")
     if cfg.model.path:
-        from gyre_hpc.models.checkpoint import CONFIG_FILE
+        from gyre_hpc.models.checkpoint import CONFIG_FILE, is_checkpoint
 
         if not Path(cfg.model.path).is_dir():
             raise ConfigError(f"model.path={cfg.model.path!r} is not a checkpoint directory")
-        if not (Path(cfg.model.path) / CONFIG_FILE).is_file():
+        if not is_checkpoint(cfg.model.path):
             raise ConfigError(f"model.path={cfg.model.path!r} holds no {CONFIG_FILE}: not an HF-format checkpoint "
                               f"directory")
         return

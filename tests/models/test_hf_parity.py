@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_hpc.models.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from gyre_hpc.models.checkpoint import CONFIG_FILE, CheckpointError, is_checkpoint, load_pretrained, save_pretrained
 from gyre_hpc.models.decoder import build_model
 from gyre_hpc.models.tokenizer import TokenizerError, embedded_tokenizer, load_tokenizer
 
@@ -85,6 +85,15 @@ def test_missing_tokenizer_file_is_named(tmp_path):
     (tmp_path / "tokenizer_config.json").unlink()
     with pytest.raises(TokenizerError, match=r"tokenizer_config.json does not exist"):
         load_tokenizer(tmp_path)
+
+
+def test_is_checkpoint_reads_the_config_file_save_pretrained_writes_last(tmp_path):
+    assert not is_checkpoint(tmp_path)
+    save_pretrained(build_model("tiny"), tmp_path)
+    assert is_checkpoint(tmp_path)
+    (tmp_path / CONFIG_FILE).unlink()          # a directory whose save stopped short
+    assert not is_checkpoint(tmp_path)
+    assert not is_checkpoint(tmp_path / "absent")
 
 
 def test_sharded_checkpoint_loads(tmp_path):
