@@ -17,8 +17,8 @@ a few tests each, for models that have learnt the tool-call syntax.
 ``long``: the long-horizon coding suite (``longhorizon.py``), tens of model calls per run.
 
 ``xlong``: repositories of many modules (``xlong.py``), hundreds of model calls per run;
-``xlong-large`` larger repositories of the same kind (~440 to ~620 calls); ``xlong-mini`` the
-same at a few dozen.
+``xlong-large`` larger repositories of the same kind (430 to 654 calls in ``bench xlong``);
+``xlong-mini`` the same at a few dozen.
 """
 from __future__ import annotations
 

@@ -37,8 +37,8 @@ from gyre_hpc.harness.tasks.spec import Task, TaskTest
 MODULES = 16            # modules per package
 # Packages per task: the run lengths of the suite (~290 to ~470 calls for a competent agent).
 SIZES = {"xl-p5": 5, "xl-p6": 6, "xl-p7": 7, "xl-p8": 8}
-# ``xlong-large``: the same repositories from 8 to 11 packages (~440 to ~620 calls, 0.8 to 1.1
-# million tokens of context a run), for RL after a warm start on ``xlong`` (examples/xlong.yaml):
+# ``xlong-large``: the same repositories from 8 to 11 packages (430 to 654 calls and 0.8 to 1.1
+# million tokens of context a run in ``bench xlong``), for RL after a warm start on ``xlong`` (examples/xlong.yaml):
 # every argument a call needs is in the last report, so a policy that learnt to copy it carries
 # to repositories larger than any it was warm-started on.
 LARGE_SIZES = {"xl-p8": 8, "xl-p9": 9, "xl-p10": 10, "xl-p11": 11}
