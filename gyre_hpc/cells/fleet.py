@@ -29,7 +29,7 @@ from gyre_hpc.cells.plan import CONTROLLER_RANK, core_cell, plan_cells, world_si
 from gyre_hpc.cells.rank_state import RankState
 from gyre_hpc.cells.step_rows import restore_step_rows
 from gyre_hpc.config import ConfigError, RunConfig, load_config
-from gyre_hpc.rundir import disk_full
+from gyre_hpc.rundir import disk_full, fleet_error
 from gyre_hpc.rundir.contract import EXIT_DISK_FULL
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, Mirrors, recover_unclosed
@@ -195,7 +195,9 @@ def guard_world(entry, label: str, world: MPI.Intracomm = MPI.COMM_WORLD, run_di
     Why: a rank that dies alone leaves the others blocked in a collective forever, and the
     supervisor would wait on a hung step instead of relaunching it. A write that found the
     disk full (with ``run_dir`` known) is reported to the head (``rundir.disk_full``) and ends
-    the world with ``EXIT_DISK_FULL``: the head then stops instead of relaunching.
+    the world with ``EXIT_DISK_FULL``: the head then stops instead of relaunching. Any other
+    error is reported too (``rundir.fleet_error``): the head stops relaunching a fleet that
+    fails the same way twice from the same checkpoint.
     """
     try:
         out = entry()
@@ -209,6 +211,8 @@ def guard_world(entry, label: str, world: MPI.Intracomm = MPI.COMM_WORLD, run_di
             code = EXIT_DISK_FULL
             message = disk_full.report(RunDir.at(run_dir), exc, world.Get_rank())
             sys.stderr.write(f"[{label} rank {world.Get_rank()}] disk full, stopping the fleet: {message}\n")
+        elif run_dir is not None and isinstance(exc, Exception):
+            fleet_error.report(RunDir.at(run_dir), exc, world.Get_rank())
         sys.stderr.flush()
         world.Abort(code)
         raise

@@ -6,6 +6,8 @@ It is not an MPI rank. It owns three decisions:
   up to ``supervise.max_relaunches`` times, then the run fails with a message naming the log;
   a fleet that found the run directory's disk full (``rundir.disk_full``) is not relaunched:
   the run stops at once naming the file and the space, and resumes once space is freed;
+  a fleet that fails twice from the same checkpoint with the same error (``rundir.fleet_error``,
+  written by the rank that raised it) is not relaunched again: the run fails naming the error;
 - a stop request (USR2 before the time limit, SIGTERM, Ctrl-C, or submitit's checkpoint call)
   becomes ``control/checkpoint-and-exit``; the fleet checkpoints and exits 75;
 - after a drained stop it requeues the Slurm job when asked to (USR2), so the next start
@@ -34,7 +36,7 @@ from gyre_hpc.config import WORKLOADS, ConfigError, RunConfig, load_config
 from gyre_hpc.jobs.launchers import FleetHandle, Launcher, LaunchError
 from gyre_hpc.jobs.ownership import HeadLock, RunDirInUse, check_rerun, live_fleet, reap_stray_sruns
 from gyre_hpc.jobs.plan import FleetPlan
-from gyre_hpc.rundir import disk_full
+from gyre_hpc.rundir import disk_full, fleet_error
 from gyre_hpc.rundir.contract import EXIT_CHECKPOINTED, EXIT_DISK_FULL, EXIT_DONE
 from gyre_hpc.rundir.layout import RunDir
 from gyre_hpc.rundir.metrics import MetricsWriter, read_table, recover_unclosed
@@ -67,6 +69,10 @@ def latest_checkpoint_step(run: RunDir) -> int | None:
 
     latest = checkpoint.latest_dir(run.checkpoints)
     return None if latest is None else checkpoint.read_meta(latest).step
+
+
+def _from(step: int | None) -> str:
+    return "the start" if step is None else f"the checkpoint of step {step}"
 
 
 def fleet_argv(run: RunDir, python: str = sys.executable, workload: str = "substrate") -> list[str]:
@@ -178,6 +184,7 @@ class Supervisor:
         except fsio.DiskFullError as exc:
             return self._disk_full(str(exc), latest_checkpoint_step(self.run), before_launch=True)
         failures: list[str] = []
+        last_failure, last_log = (None, None), None   # the last failed launch: (its error, its start step), its log
         while True:
             if self.stop is not None:
                 return self._finish_stop(None)
@@ -187,6 +194,8 @@ class Supervisor:
                        f"attempt {self.launches + 1} via {self.launcher.name}, world {self.plan.world_size}")
             log_path = self.run.logs / f"fleet-{int(time.time())}-{self.launches + 1}.log"
             self.renew_lease()   # before launch: a lease an earlier head left behind is stale
+            fleet_error.clear(self.run)
+            started_from = step
             try:
                 self.handle = self.launcher.launch(self.plan, self.argv, log_path=log_path, cwd=self.run.root)
             except LaunchError as exc:
@@ -210,7 +219,15 @@ class Supervisor:
             if full is not None or rc == EXIT_DISK_FULL:
                 message = full["message"] if full else f"the fleet exited {rc} (disk full); see {log_path}"
                 return self._disk_full(message, step)
-            failures.append(f"exit {rc} ({log_path})")
+            error = fleet_error.read(self.run, since=launched_at - 5)
+            failures.append(f"exit {rc}" + (f", {error}" if error else "") + f" ({log_path})")
+            failure = (error, started_from)
+            if fleet_error.same_failure(last_failure, failure):
+                return self._fail(
+                    f"fleet failed twice from {_from(started_from)} with the same error, {error}; a relaunch "
+                    f"would start from the same state and fail again. Fix the cause and run the same command "
+                    f"again: it resumes from {_from(started_from)}. Logs: {last_log}, {log_path}", step)
+            last_failure, last_log = failure, log_path
             if len(failures) > self.cfg.supervise.max_relaunches:
                 return self._fail(
                     f"fleet failed {len(failures)} times, more than supervise.max_relaunches="

@@ -71,6 +71,11 @@ class RunDir:
         return self.control / "disk-full.json"
 
     @property
+    def fleet_error(self) -> Path:
+        """The first error a fleet rank died of (type, message, rank; ``rundir.fleet_error``)."""
+        return self.control / "fleet-error.json"
+
+    @property
     def journals(self) -> Path:
         return self.root / "journals"
 
