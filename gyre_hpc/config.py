@@ -319,6 +319,16 @@ class RunConfig(_Section):
             raise ValueError(
                 f"scheduler.async_train_cells={self.scheduler.async_train_cells} leaves no rollout cell "
                 f"among cells.count={self.cells.count}")
+        if self.scheduler.policy == "elastic" and self.cells.device == "paced":
+            # Paced elastic is sized from the device (``sched.elastic.device_sized``), which
+            # checks the given fields against it: refused here, not in every rank at launch.
+            from gyre_hpc.sched.elastic import device_sized
+
+            engine, train = self.cells.pace.devices()
+            try:
+                device_sized(engine, train, self.scheduler.elastic)
+            except ValueError as exc:
+                raise ValueError(f"scheduler.elastic with cells.device=paced: {exc}") from None
         return self
 
     def to_yaml(self) -> str:

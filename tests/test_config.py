@@ -156,6 +156,18 @@ def test_paced_cells_take_a_named_device_with_fields_over_it():
         build_config({"cells": {"pace": {"speed": {1: 0}}}})
 
 
+def test_paced_elastic_is_checked_against_its_device_before_launch():
+    """Sized from the device in every rank (``device_sized``): refused when the config loads."""
+    paced = {"device": "paced", "pace": {"engine": {"max_seqs": 4}}}
+    cfg = build_config({"cells": paced, "scheduler": {"elastic": {"max_requests_per_engine": 4}}})
+    assert cfg.scheduler.elastic == {"max_requests_per_engine": 4}
+    with pytest.raises(ConfigError, match=r"scheduler\.elastic with cells\.device=paced: elastic "
+                                          r"max_requests_per_engine=5 is more than the engine admits at once"):
+        build_config({"cells": paced, "scheduler": {"elastic": {"max_requests_per_engine": 5}}})
+    # native cells have no device to check against
+    assert build_config({"scheduler": {"elastic": {"max_requests_per_engine": 5}}}).scheduler.elastic
+
+
 def test_the_workload_registry_and_the_workload_field_name_the_same_workloads():
     import typing
 

@@ -166,7 +166,14 @@ def device_sized(engine, train, given: Mapping[str, Any] | None = None) -> Elast
               # EngineModel.step_s(n, K) = (h + n) / ((1 + h) single) + K kv_read_s_per_token
               "step_fixed_s": h / ((1.0 + h) * single), "step_per_seq_s": 1.0 / ((1.0 + h) * single),
               "step_per_kv_token_s": engine.kv_read_s_per_token, "tail_slowdown": engine.tolerated_slowdown}
-    return ElasticParams(**{**sizing, **dict(given or {})})
+    params = ElasticParams(**{**sizing, **dict(given or {})})
+    if params.max_requests_per_engine > engine.max_seqs:
+        # An engine admits max_seqs at once: sized above it, a held split releases an engine
+        # whose runs then queue on the one left, takes it back for the queue, and releases it
+        # again (the simulator flipped a cell ~9,000 times in 8 steps at 48 on 32 slots).
+        raise ValueError(f"elastic max_requests_per_engine={params.max_requests_per_engine} is more than the "
+                         f"engine admits at once (max_seqs={engine.max_seqs})")
+    return params
 
 
 def kv_capacity(cell: CellState, fallback: int) -> int:

@@ -540,3 +540,7 @@ def test_device_sized_elastic_takes_the_engines_latency_target_kv_and_training_r
     assert device_sized(e, TrainModel(), {"fill": 0.5, "target_requests_per_engine": 7}).target_requests_per_engine == 7
     with pytest.raises(TypeError):
         device_sized(e, TrainModel(), {"slots": 3})
+    assert device_sized(e, TrainModel(), {"max_requests_per_engine": 32}).max_requests_per_engine == 32
+    with pytest.raises(ValueError, match=r"max_requests_per_engine=33 is more than the engine admits at once "
+                                         r"\(max_seqs=32\)"):
+        device_sized(e, TrainModel(), {"max_requests_per_engine": 33})
