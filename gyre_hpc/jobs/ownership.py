@@ -33,6 +33,7 @@ from gyre_hpc.rundir.layout import RunDir
 
 # What a resume may change: sections that say how and where the run is carried out, not what it
 # computes; and ``train.steps`` upwards (checked separately).
+REAP_WAIT_S = 5.0   # how long reaping waits for a SIGKILLed srun to be gone
 RESUMABLE_PREFIXES = ("supervise.", "slurm.", "metrics.", "launcher", "name")
 
 
@@ -129,15 +130,32 @@ def reap_stray_sruns(run: RunDir) -> list[str]:
     step = _recorded_step(run)
     if step is not None and _step_listed(step):
         return []
-    reaped = []
+    reaped, killed = [], []
     for pid, argv in fleet_pids(run.root):
         if Path(argv[0]).name == "srun":
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
+            killed.append(pid)
             reaped.append(f"pid {pid} (srun of ended step {step})")
+    # SIGKILL is not death: the caller's next look (``live_fleet``) found a just-killed srun
+    # still in /proc and refused the rerun for it (a CI run, 2026-12-07). Wait until they are gone.
+    deadline = time.monotonic() + REAP_WAIT_S
+    while killed and time.monotonic() < deadline:
+        killed = [pid for pid in killed if _alive(pid)]
+        if killed:
+            time.sleep(0.05)
     return reaped
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a zombie's argv is empty, so ``fleet_pids`` no longer lists it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def live_fleet(run: RunDir) -> list[str]:
