@@ -19,14 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gyre_hpc import fsio
+from gyre_hpc.models.checkpoint import CheckpointError
 
 STATE_FILE = "model.safetensors"
 META_FILE = "meta.json"
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read; the message names the file."""
 
 
 @dataclass

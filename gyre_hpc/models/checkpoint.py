@@ -47,7 +47,10 @@ _HF_DEFAULTS = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file (and tensor)."""
+    """A checkpoint that cannot be written or loaded, an HF folder or a fleet's step directory
+    (``cells.checkpoint``); the message names the file (and tensor). One type for both, defined
+    here on the lower floor: a caller catches one error, and the head's ``same_failure`` compares
+    one type name."""
 
 
 def hf_config(cfg: LMConfig, dtype: torch.dtype, tokenizer: ChatTokenizer | None = None) -> dict:

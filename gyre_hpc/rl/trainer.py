@@ -27,7 +27,7 @@ import torch
 
 from gyre_hpc import fsio
 from gyre_hpc.config import RunConfig
-from gyre_hpc.models.checkpoint import load_pretrained, save_pretrained
+from gyre_hpc.models.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from gyre_hpc.models.decoder import CausalLM, build_model
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer, load_tokenizer
 from gyre_hpc.trees.chunked import backward_packed
@@ -178,7 +178,6 @@ class RLTrainer:
         """Weights and optimizer state from a directory ``save`` wrote (names and shapes checked)."""
         from safetensors.torch import load_file
 
-        from gyre_hpc.cells.checkpoint import CheckpointError
         from gyre_hpc.cells.rank_state import load_into
 
         stored = load_pretrained(directory, dtype=torch.float32).state_dict()

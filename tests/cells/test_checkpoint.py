@@ -65,6 +65,18 @@ def test_broken_pointer_and_meta_are_named(tmp_path):
         ck.load_state(d)
 
 
+def test_a_fleet_checkpoint_raises_the_one_checkpoint_error_of_models(tmp_path):
+    """One CheckpointError for HF folders and fleet step dirs: a caller catching the models'
+    error (a ValueError) catches the fleet's too, and the head compares one type name."""
+    from gyre_hpc.models.checkpoint import CheckpointError
+
+    (tmp_path / "latest").write_text("step-00000004\n")
+    with pytest.raises(CheckpointError, match="names 'step-00000004'") as raised:
+        ck.latest_dir(tmp_path)
+    assert type(raised.value) is CheckpointError and isinstance(raised.value, ValueError)
+    assert ck.CheckpointError is CheckpointError
+
+
 def test_a_step_dir_latest_never_named_is_replaced_by_the_rerun(tmp_path):
     save(tmp_path, 1)
     # A writer killed after renaming step 2 into place but before repointing latest.

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gyre_hpc.cells.checkpoint import CheckpointError
+from gyre_hpc.models.checkpoint import CheckpointError
 from gyre_hpc.cells.fleet import resolve_policy
 from gyre_hpc.cells.rank_state import load_into as _load_into
 from gyre_hpc.cells.weights import state_bytes, state_checksum

@@ -193,7 +193,7 @@ def test_a_checkpoint_whose_optimizer_state_does_not_fit_names_the_tensor(tmp_pa
     """The trainer loads through the fleet's one state check (cells.rank_state.load_into)."""
     from safetensors.torch import load_file, save_file
 
-    from gyre_hpc.cells.checkpoint import CheckpointError
+    from gyre_hpc.models.checkpoint import CheckpointError
 
     cfg = _cfg()
     a = RLTrainer(cfg)
