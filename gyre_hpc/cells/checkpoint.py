@@ -20,10 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from gyre_hpc import fsio
 from gyre_hpc.models.checkpoint import CheckpointError
+from gyre_hpc.rundir.layout import CHECKPOINT_LATEST, CHECKPOINT_META
 
 STATE_FILE = "model.safetensors"
-META_FILE = "meta.json"
-LATEST = "latest"
 
 
 @dataclass
@@ -64,7 +63,7 @@ def commit(root: Path, step: int, meta: CheckpointMeta, keep: int = 2) -> Path:
     for name in meta.files:
         if not (tmp / name).is_file():
             raise CheckpointError(f"checkpoint {tmp}: {name} was not written; refusing to commit")
-    fsio.write_text(tmp / META_FILE, json.dumps(asdict(meta), indent=2))
+    fsio.write_text(tmp / CHECKPOINT_META, json.dumps(asdict(meta), indent=2))
     final = root / step_dir_name(step)
     current = latest_dir(root)
     if final.exists() and current is not None and current.resolve() == final.resolve():
@@ -74,7 +73,7 @@ def commit(root: Path, step: int, meta: CheckpointMeta, keep: int = 2) -> Path:
         # A dir latest does not name is from a writer killed before it repointed latest; the
         # relaunch reran that step, and its state is the one the fleet now continues from.
         fsio.replace_dir(tmp, final)
-    fsio.write_text(root / LATEST, step_dir_name(step) + "\n")
+    fsio.write_text(root / CHECKPOINT_LATEST, step_dir_name(step) + "\n")
     prune(root, keep)
     return final
 
@@ -85,7 +84,7 @@ def complete_dirs(root: Path) -> list[Path]:
         return []
     return sorted(p for p in root.iterdir()
                   if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")
-                  and (p / META_FILE).is_file())
+                  and (p / CHECKPOINT_META).is_file())
 
 
 def prune(root: Path, keep: int) -> None:
@@ -105,18 +104,18 @@ def prune(root: Path, keep: int) -> None:
 
 def latest_dir(root: Path) -> Path | None:
     """The directory ``latest`` names, or None when there is no checkpoint yet."""
-    pointer = Path(root) / LATEST
+    pointer = Path(root) / CHECKPOINT_LATEST
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()
     d = Path(root) / name
-    if not (d / META_FILE).is_file():
-        raise CheckpointError(f"{pointer} names {name!r}, but {d / META_FILE} does not exist")
+    if not (d / CHECKPOINT_META).is_file():
+        raise CheckpointError(f"{pointer} names {name!r}, but {d / CHECKPOINT_META} does not exist")
     return d
 
 
 def read_meta(directory: Path) -> CheckpointMeta:
-    path = Path(directory) / META_FILE
+    path = Path(directory) / CHECKPOINT_META
     try:
         data = json.loads(path.read_text())
         return CheckpointMeta(**data)

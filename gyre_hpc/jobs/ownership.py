@@ -29,7 +29,7 @@ from typing import Any
 
 from gyre_hpc import fsio
 from gyre_hpc.config import WORKLOADS, RunConfig
-from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.layout import CHECKPOINT_LATEST, RunDir
 
 # What a resume may change: sections that say how and where the run is carried out, not what it
 # computes; and ``train.steps`` upwards (checked separately).
@@ -170,7 +170,7 @@ def live_fleet(run: RunDir) -> list[str]:
 
 def has_results(run: RunDir) -> bool:
     """A checkpoint or a tree store: something a different config would mix with."""
-    return (run.checkpoints / "latest").exists() or run.trees.exists()
+    return (run.checkpoints / CHECKPOINT_LATEST).exists() or run.trees.exists()
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

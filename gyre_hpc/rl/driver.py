@@ -46,15 +46,19 @@ from gyre_hpc.rl.flips import Flips
 from gyre_hpc.rl.rollouts import Rollouts
 from gyre_hpc.rl.router_client import RoutedCalls
 from gyre_hpc.cells.step_rows import UnsealedRows
+from gyre_hpc.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from gyre_hpc.rl.step_rows import pace_events, step_rows
 from gyre_hpc.rl.step_state import RLStepRecord, StepState, stale_runs
 from gyre_hpc.rl.train_queue import TrainQueue
+from gyre_hpc.rl.trainer import OPTIMIZER_FILE
 from gyre_hpc.sched.staleness import may_launch_batch, staleness_bound
 from gyre_hpc.sched.state import Role
 from gyre_hpc.trees.loss import LogprobGap, run_targets, step_denominator
 from gyre_hpc.trees.store import TreeStore
 
-OPTIMIZER_FILES = ["model.safetensors", "config.json", "optimizer.safetensors"]
+# What an RL checkpoint directory must hold before it is sealed: an HF folder (weights, config)
+# and the optimizer's state, named where they are written.
+CHECKPOINT_FILES = (WEIGHTS_FILE, CONFIG_FILE, OPTIMIZER_FILE)
 # How long a new context (a run's first call) waits for an engine coming back before it is
 # routed to the open ones (``RoutedCalls.dispatch``): a return flip at an update takes ~0.2 s
 # on paper-local; one that waits on a replica's micro-batch in hand takes seconds, too long
@@ -223,7 +227,7 @@ class RLStepDriver:
         return rec
 
     def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
-        return (list(OPTIMIZER_FILES) + [self.rows.save(staging, step)],
+        return (list(CHECKPOINT_FILES) + [self.rows.save(staging, step)],
                 {"trees_committed": len(self.store), "trained_upto": self.trained_upto, "workload": "rl"})
 
     def sealed(self, step: int) -> None:

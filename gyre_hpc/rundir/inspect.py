@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from gyre_hpc.config import ConfigError, load_config
-from gyre_hpc.rundir.layout import RunDir
+from gyre_hpc.rundir.layout import CHECKPOINT_LATEST, CHECKPOINT_META, RunDir
 from gyre_hpc.rundir.metrics import read_table
 
 
@@ -339,11 +339,11 @@ def _trees_summary(run: RunDir) -> dict | None:
 
 
 def _checkpoint_step(run: RunDir) -> int | None:
-    latest = run.checkpoints / "latest"
+    latest = run.checkpoints / CHECKPOINT_LATEST
     if not latest.is_file():
         return None
     name = latest.read_text().strip()
-    meta = run.checkpoints / name / "meta.json"
+    meta = run.checkpoints / name / CHECKPOINT_META
     try:
         return int(json.loads(meta.read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -4,6 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# Inside ``checkpoints/`` (``cells.checkpoint`` writes them; the head and ``inspect`` read them
+# without importing the fleet's torch code): the pointer to the newest complete step directory,
+# and the file that makes a step directory complete.
+CHECKPOINT_LATEST = "latest"
+CHECKPOINT_META = "meta.json"
+
 
 @dataclass(frozen=True)
 class RunDir:

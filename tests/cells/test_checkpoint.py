@@ -27,6 +27,15 @@ def test_commit_writes_meta_state_and_latest(tmp_path):
     assert not list(tmp_path.glob("*.tmp*"))
 
 
+def test_the_pointer_and_meta_carry_the_run_directory_layouts_names(tmp_path):
+    """The head and ``inspect`` read these names from rundir.layout without importing torch."""
+    from gyre_hpc.rundir.layout import CHECKPOINT_LATEST, CHECKPOINT_META
+
+    final = save(tmp_path, 7)
+    assert (tmp_path / CHECKPOINT_LATEST).read_text() == "step-00000007\n"
+    assert json.loads((final / CHECKPOINT_META).read_text())["step"] == 7
+
+
 def test_only_the_last_two_are_kept(tmp_path):
     for step in range(1, 6):
         save(tmp_path, step)
