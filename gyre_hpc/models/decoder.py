@@ -280,8 +280,13 @@ class CausalLM(nn.Module):
         attention_fn: AttentionFn | None = None,
         kv_cache: KVCacheHook | None = None,
         invariant: bool = False,
+        head: bool = True,
     ):
         """Logits [B, T, V]; with ``use_cache`` also the per-layer (k, v) [B, Hkv, S_past+T, Dh].
+
+        ``head=False``: the final norm's hidden states [B, T, d_model] in place of the logits,
+        for a caller that applies ``output_weight`` to a few rows at a time (the trainer:
+        ``trees.token_logprobs``; at a 49K vocabulary the full logits are the step's largest tensor).
 
         ``invariant``: every product and the causal attention through ``models.invariant``, so a
         token's logits do not depend on the batch, the chunking or the cache (an attention_fn or
@@ -312,9 +317,15 @@ class CausalLM(nn.Module):
             x, kv = layer(x, cos, sin, attn_mask, past, attention_fn, kv_cache, invariant)
             new_past.append(kv)
         x = self.model.norm(x)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = inv.linear(x, weight) if invariant else x @ weight.T
-        return (logits, new_past) if use_cache else logits
+        if head:
+            weight = self.output_weight
+            x = inv.linear(x, weight) if invariant else x @ weight.T
+        return (x, new_past) if use_cache else x
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output head's [V, d_model] weight: ``lm_head``'s, or the embedding where tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @property
     def n_params(self) -> int:

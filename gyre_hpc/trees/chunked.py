@@ -27,8 +27,9 @@ from dataclasses import replace
 import torch
 
 from gyre_hpc.trees.attention import tree_attention
-from gyre_hpc.trees.loss import LogprobGap, StepWeights, invariant_kwargs, packed_loss, tree_loss
+from gyre_hpc.trees.loss import LogprobGap, StepWeights, head_loss, invariant_kwargs, packed_loss
 from gyre_hpc.trees.packing import PackedBatch
+from gyre_hpc.trees.token_logprobs import LOGIT_CHUNK_TOKENS
 
 
 def chunk_bounds(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -37,11 +38,11 @@ def chunk_bounds(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(n_tokens, s + chunk_tokens)) for s in range(0, n_tokens, chunk_tokens)]
 
 
-def _forward_chunk(model, batch: PackedBatch, s: int, e: int, past, attention: str):
+def _forward_chunk(model, batch: PackedBatch, s: int, e: int, past, attention: str, head: bool = True):
     attention_fn = tree_attention(attention, batch.subtree_end[:, :e], needs_grad=torch.is_grad_enabled(),
                                   q_len=e - s, kv_len=e, position_ids=batch.position_ids)
     return model(batch.input_ids[:, s:e], batch.position_ids[:, s:e], past_kv=past, use_cache=True,
-                 attention_fn=attention_fn, **invariant_kwargs(attention_fn))
+                 attention_fn=attention_fn, head=head, **invariant_kwargs(attention_fn))
 
 
 def _chunk_batch(batch: PackedBatch, s: int, e: int) -> PackedBatch:
@@ -56,16 +57,19 @@ def _chunk_batch(batch: PackedBatch, s: int, e: int) -> PackedBatch:
 
 
 def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWeights, clip_eps: float,
-                    attention: str = "auto", chunk_tokens: int | None = None, gap: LogprobGap | None = None) -> float:
+                    attention: str = "auto", chunk_tokens: int | None = None, gap: LogprobGap | None = None,
+                    logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> float:
     """Accumulate this micro-batch's loss gradient into the parameters; return its loss.
 
     Rows of at most ``chunk_tokens`` tokens (or any row, with ``chunk_tokens=None``) take the
     plain path (one forward, ``loss.backward()``); longer rows go chunk by chunk (module doc).
-    ``gap`` collects the trainer-vs-behaviour logprob figures of every target.
+    Either way the output head runs ``logit_chunk_tokens`` loss tokens at a time
+    (``trees.token_logprobs``). ``gap`` collects the trainer-vs-behaviour logprob figures of
+    every target.
     """
     L = batch.shape[1]
     if chunk_tokens is None or L <= chunk_tokens:
-        loss = packed_loss(model, batch, weights, clip_eps, attention, gap)
+        loss = packed_loss(model, batch, weights, clip_eps, attention, gap, logit_chunk_tokens)
         loss.backward()
         return float(loss.detach())
     bounds = chunk_bounds(L, chunk_tokens)
@@ -74,7 +78,7 @@ def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWei
     keys_values = None
     with torch.no_grad():
         for s, e in bounds:
-            _, keys_values = _forward_chunk(model, batch, s, e, keys_values, attention)
+            _, keys_values = _forward_chunk(model, batch, s, e, keys_values, attention, head=False)
     grads = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in keys_values]
     total = 0.0
     # Pass 2: last chunk first, so a chunk's own keys and values have all their gradient.
@@ -88,10 +92,11 @@ def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWei
         last = i == len(bounds) - 1
         if last and not bool(chunk.loss_mask.any()):
             continue  # nothing scored here and nothing downstream
-        logits, present = _forward_chunk(model, batch, s, e, past, attention)
+        hidden, present = _forward_chunk(model, batch, s, e, past, attention, head=False)
         outputs, upstream = [], []
         if bool(chunk.loss_mask.any()):
-            loss = tree_loss(logits, chunk, weights, clip_eps, gap)
+            loss = head_loss(hidden, model.output_weight, chunk, weights, clip_eps, gap, logit_chunk_tokens,
+                             attention == "invariant")
             total += float(loss.detach())
             outputs.append(loss)
             upstream.append(torch.ones_like(loss))

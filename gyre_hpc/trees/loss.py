@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.packing import PackedBatch
+from gyre_hpc.trees.token_logprobs import LOGIT_CHUNK_TOKENS, head_logprobs
 
 
 def group_advantages(rewards: Sequence[float], task_ids: Sequence[str]) -> np.ndarray:
@@ -122,6 +123,16 @@ def clipped_pg_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantage:
     return -(weight * surrogate).sum()
 
 
+def loss_rows(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, position, predecessor position) of every loss token of the batch: the
+    predecessor's output row scores the token."""
+    b, j = batch.loss_mask.nonzero(as_tuple=True)
+    pred = batch.pred_index[b, j]
+    if bool((pred < 0).any()):
+        raise ValueError("packed batch has a trained token with no predecessor on its path")
+    return b, j, pred
+
+
 def packed_token_logprobs(logits: torch.Tensor, batch: PackedBatch):
     """log p(token | its own path) for every loss token of the batch, and where they sit.
 
@@ -129,20 +140,32 @@ def packed_token_logprobs(logits: torch.Tensor, batch: PackedBatch):
     [N, V] work is proportional to trained positions, not to the row length (nor to how
     many samples a position carries).
     """
-    b, j = batch.loss_mask.nonzero(as_tuple=True)
-    pred = batch.pred_index[b, j]
-    if bool((pred < 0).any()):
-        raise ValueError("packed batch has a trained token with no predecessor on its path")
+    b, j, pred = loss_rows(batch)
     logp = F.log_softmax(logits[b, pred], dim=-1)
     return logp.gather(-1, batch.input_ids[b, j][:, None])[:, 0], (b, j)
 
 
-def sample_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """log p of each target (sample) of the batch: its position's log-prob, shared by samples."""
-    logp, (b, j) = packed_token_logprobs(logits, batch)
+def packed_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, batch: PackedBatch,
+                         chunk_tokens: int = LOGIT_CHUNK_TOKENS, invariant: bool = False):
+    """``packed_token_logprobs`` from the final hidden states [B, T, D] and the output head's
+    weight, the head applied ``chunk_tokens`` loss tokens at a time (``trees.token_logprobs``):
+    the same values (the same bits under invariant numerics) without the [N, V] logits."""
+    b, j, pred = loss_rows(batch)
+    return head_logprobs(hidden[b, pred], weight, batch.input_ids[b, j], chunk_tokens, invariant), (b, j)
+
+
+def per_sample(logp: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
+    """The loss tokens' logprobs (``logp`` at positions ``where``) for each target (sample) of
+    the batch: samples of one position share its logprob."""
+    b, j = where
     slot = torch.full(batch.loss_mask.shape, -1, dtype=torch.long, device=logp.device)
     slot[b, j] = torch.arange(b.numel(), device=logp.device)
     return logp[slot[batch.sample_row, batch.sample_index]]
+
+
+def sample_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """log p of each target (sample) of the batch: its position's log-prob, shared by samples."""
+    return per_sample(*packed_token_logprobs(logits, batch), batch)
 
 
 @dataclass
@@ -200,14 +223,28 @@ def tree_loss(logits: torch.Tensor, batch: PackedBatch, weights: StepWeights, cl
               gap: LogprobGap | None = None) -> torch.Tensor:
     """This micro-batch's share of the step loss (sum it over micro-batches; see module doc);
     ``gap`` collects the trainer-vs-behaviour logprob figures of its targets."""
+    return targets_loss(sample_logprobs(logits, batch), batch, weights, clip_eps, gap)
+
+
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, batch: PackedBatch, weights: StepWeights,
+              clip_eps: float, gap: LogprobGap | None = None, chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+              invariant: bool = False) -> torch.Tensor:
+    """``tree_loss`` from the final hidden states and the output head's weight, the head
+    applied ``chunk_tokens`` loss tokens at a time: no [N, V] logits, forward or backward."""
+    logp = per_sample(*packed_head_logprobs(hidden, weight, batch, chunk_tokens, invariant), batch)
+    return targets_loss(logp, batch, weights, clip_eps, gap)
+
+
+def targets_loss(logp: torch.Tensor, batch: PackedBatch, weights: StepWeights, clip_eps: float,
+                 gap: LogprobGap | None = None) -> torch.Tensor:
+    """The loss of the batch's targets given their logprobs ``logp`` [S] (``sample_logprobs``)."""
     run = batch.sample_run
-    as_t = lambda a: torch.as_tensor(a, dtype=logits.dtype, device=logits.device)  # noqa: E731
-    logp = sample_logprobs(logits, batch)
+    as_t = lambda a: torch.as_tensor(a, dtype=logp.dtype, device=logp.device)  # noqa: E731
     if gap is not None:
         gap.add(logp, batch.sample_logprobs, clip_eps)
     return clipped_pg_loss(
         logp,
-        batch.sample_logprobs.to(logits.dtype),
+        batch.sample_logprobs.to(logp.dtype),
         as_t(weights.advantages)[run],
         as_t(weights.run_weight)[run],
         clip_eps,
@@ -215,15 +252,17 @@ def tree_loss(logits: torch.Tensor, batch: PackedBatch, weights: StepWeights, cl
 
 
 def packed_loss(model: torch.nn.Module, batch: PackedBatch, weights: StepWeights, clip_eps: float,
-                attention: str = "auto", gap: LogprobGap | None = None) -> torch.Tensor:
-    """Forward one packed micro-batch with tree attention and return its share of the loss."""
+                attention: str = "auto", gap: LogprobGap | None = None,
+                logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> torch.Tensor:
+    """Forward one packed micro-batch with tree attention and return its share of the loss;
+    the output head runs ``logit_chunk_tokens`` loss tokens at a time (``head_loss``)."""
     from gyre_hpc.trees.attention import tree_attention
 
     attention_fn = tree_attention(attention, batch.subtree_end, needs_grad=torch.is_grad_enabled(),
                                   position_ids=batch.position_ids)
-    logits = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn,
-                   **invariant_kwargs(attention_fn))
-    return tree_loss(logits, batch, weights, clip_eps, gap)
+    invariant = invariant_kwargs(attention_fn)
+    hidden = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn, head=False, **invariant)
+    return head_loss(hidden, model.output_weight, batch, weights, clip_eps, gap, logit_chunk_tokens, bool(invariant))
 
 
 def invariant_kwargs(attention_fn) -> dict:

@@ -129,6 +129,20 @@ def test_untied_head_has_its_own_weight():
     assert model(_ids(1, 4), _pos(1, 4)).shape == (1, 4, V)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_head_false_gives_the_hidden_states_the_output_weight_turns_into_the_logits(tied, invariant):
+    from gyre_hpc.models import invariant as inv
+
+    model = build_model(LMConfig(tie_embeddings=tied), seed=4)
+    ids, pos = _ids(1, 6), _pos(1, 6)
+    hidden = model(ids, pos, head=False, invariant=invariant)
+    assert hidden.shape == (1, 6, model.config.d_model)
+    assert model.output_weight is (model.model.embed_tokens.weight if tied else model.lm_head.weight)
+    head = inv.linear(hidden, model.output_weight) if invariant else hidden @ model.output_weight.T
+    assert torch.equal(head, model(ids, pos, invariant=invariant))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("tied", [True, False])
 def test_checkpoint_round_trip(tmp_path, dtype, tied):
