@@ -2,8 +2,8 @@
 
 The rows are the RL trainer's rows (``trees.packing.pack``, tree attention, each token at
 its position along its own path), so a context shared by many calls is computed once here
-too, and the loss is the RL loss's log-probabilities (``trees.loss.packed_token_logprobs``)
-averaged over the row's trained tokens.
+too, and the loss is the RL loss's log-probabilities (``trees.loss.packed_head_logprobs``:
+the output head in chunks of tokens) averaged over the row's trained tokens.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gyre_hpc.trees.attention import tree_attention
-from gyre_hpc.trees.loss import packed_token_logprobs
+from gyre_hpc.trees.loss import packed_head_logprobs
 from gyre_hpc.trees.model import Tree
 from gyre_hpc.trees.packing import collate, pack
 
@@ -34,8 +34,8 @@ class SFTReport:
 
 def row_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     attention_fn = tree_attention("sdpa", batch.subtree_end, needs_grad=torch.is_grad_enabled())
-    logits = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn)
-    logp, _ = packed_token_logprobs(logits, batch)
+    hidden = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn, head=False)
+    logp, _ = packed_head_logprobs(hidden, model.output_weight, batch)
     return -logp.mean()
 
 
