@@ -1,0 +1,2 @@
+import calc
+assert calc.add(2, 3) == 5

@@ -1,0 +1,2 @@
+import calc
+assert calc.add(-1, 1) == 0

@@ -1,0 +1,2 @@
+import words
+assert words.count('') == 0

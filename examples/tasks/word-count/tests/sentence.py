@@ -1,0 +1,2 @@
+import words
+assert words.count('a b  c\n') == 3
