@@ -36,9 +36,10 @@ class Batch:
 
 @lru_cache(maxsize=512)
 def sample_batch(w: Workload, step: int) -> Batch:
-    """The batch of step ``step`` (cached: the policies of one comparison share it; treat it
-    as read-only)."""
-    r = w.run
+    """The batch of step ``step``, drawn from the run shape of that step (``Workload.run_at``:
+    the drift's multipliers there); cached, as the policies of one comparison share it:
+    treat it as read-only."""
+    r = w.run_at(step)
     rng = np.random.default_rng([w.seed, step])
     n_runs = r.runs_per_step
     calls = np.maximum(1, np.rint(r.calls.sample(rng, n_runs))).astype(np.int64)

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from gyre_hpc.report import emit
-from gyre_hpc.sim.workload import PRESETS, WorkloadError, load_workload, override
+from gyre_hpc.sim.workload import DRIFT_SHAPES, PRESETS, WorkloadError, load_workload, override
 
 
 def _set(values: tuple[str, ...]) -> dict:
@@ -48,10 +48,16 @@ def _set(values: tuple[str, ...]) -> dict:
 @click.option("--sensitivity-steps", type=int, default=8, show_default=True,
               help="RL steps simulated per sensitivity variant (hours scaled to the preset's steps)")
 @click.option("--seeds", default="0,1,2", show_default=True, help="seeds of the sensitivity variants")
+@click.option("--drift", "drift", type=click.Choice(sorted(DRIFT_SHAPES)),
+              help="drift the workload by a named shape and report the best split per window, the early-tuned "
+                   "and hindsight splits, colocate, elastic at staleness 0 and at 1 with no floor")
+@click.option("--drift-windows", type=int, default=4, show_default=True,
+              help="with --drift: step windows the best static split is searched in")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies: str, out: str | None,
         no_record: bool, measured_from: str | None, save_workload: str | None, do_sweep: bool, sweep_steps: int,
-        tune_async: bool, do_sensitivity: bool, sensitivity_steps: int, seeds: str, as_json: bool) -> None:
+        tune_async: bool, do_sensitivity: bool, sensitivity_steps: int, seeds: str, drift: str | None,
+        drift_windows: int, as_json: bool) -> None:
     """Simulate a fleet of cells under each scheduler policy (same runs for each)."""
     measured = None
     try:
@@ -67,8 +73,17 @@ def sim(preset: str, workload_file: str | None, sets: tuple[str, ...], policies:
                 import yaml
                 Path(save_workload).write_text(yaml.safe_dump({"preset": preset, **measured.overrides}, sort_keys=False))
         w = override(w, _set(sets))
+        if drift:
+            w = override(w, {"drift": {"shape": drift, "knots": []}})
     except WorkloadError as exc:
         raise click.ClickException(str(exc)) from None
+    if drift:
+        from gyre_hpc.sim.drift_report import drift_report
+        try:
+            emit(drift_report(w, drift_windows), as_json)
+        except WorkloadError as exc:
+            raise click.ClickException(str(exc)) from None
+        return
     if do_sensitivity:
         from gyre_hpc.sim.sensitivity import sensitivity
         try:

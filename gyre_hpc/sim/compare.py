@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 from gyre_hpc.sched.staleness import staleness_bound
+from gyre_hpc.sim.batch import Batch
 from gyre_hpc.sim.bounds import lower_bounds
 from gyre_hpc.sim.cluster import FleetSim, policy_for, simulate
 from gyre_hpc.sim.result import SimResult
@@ -96,14 +98,16 @@ def split_candidates(w: Workload) -> list[int]:
     return sorted(set(range(low, top + 1, stride)) | {top})
 
 
-def tuned_async(w: Workload, elastic: SimResult | None = None, search_steps: int = 6, prune: bool = False) -> dict:
+def tuned_async(w: Workload, elastic: SimResult | None = None, search_steps: int = 6, prune: bool = False,
+                batches: Mapping[int, Batch] | None = None) -> dict:
     """The async split that is fastest on this workload: searched on the first
     ``search_steps`` steps (a grid, then a climb to a split whose neighbours are no
     faster), then simulated in full. Async at this split is the strongest fixed-split
     baseline the model knows. With ``prune`` (the sensitivity sweep) a trial stops once its
     clock passes the best total so far (it cannot be the best): the split chosen and its
     hours are the same (ties go to the same split), but ``search_h`` holds only the trials
-    that finished and ``search_pruned`` the others."""
+    that finished and ``search_pruned`` the others. ``batches``: the runs to search and
+    simulate on (a window of a drifting run, ``sim.drift_report``) instead of sampled ones."""
     short = dataclasses.replace(w, steps=min(w.steps, search_steps))
     grid = split_candidates(w)
     tried: dict[int, float] = {}
@@ -115,10 +119,10 @@ def tuned_async(w: Workload, elastic: SimResult | None = None, search_steps: int
     def trial(k: int) -> None:
         sw = dataclasses.replace(short, fleet=dataclasses.replace(short.fleet, async_train_cells=k))
         if prune and tried:
-            got = FleetSim(sw, policy_for(sw, "async"), "async").finishes_by(tried[best()])
+            got = FleetSim(sw, policy_for(sw, "async"), "async", batches).finishes_by(tried[best()])
             tried[k] = math.inf if got is None else got
         else:
-            tried[k] = simulate(sw, policy_for(sw, "async"), "async").total_s
+            tried[k] = simulate(sw, policy_for(sw, "async"), "async", batches).total_s
 
     # Pruned, the likeliest splits go first so the rest stop early: outward from three quarters
     # of the way up (where the paper preset's best lies; the order changes no result).
@@ -135,7 +139,7 @@ def tuned_async(w: Workload, elastic: SimResult | None = None, search_steps: int
             rank[k] = len(rank)
             trial(k)
     full = dataclasses.replace(w, fleet=dataclasses.replace(w.fleet, async_train_cells=pick))
-    r = simulate(full, policy_for(full, "async"), "async")
+    r = simulate(full, policy_for(full, "async"), "async", batches)
     out = {"train_cells": pick, "total_h": round(r.total_h, 3), "search_steps": short.steps,
            "search_h": {str(k): round(v / 3600, 3) for k, v in sorted(tried.items()) if v < math.inf}}
     if prune:

@@ -112,6 +112,110 @@ class RunShape:
         return self.tasks_per_step * self.runs_per_task
 
 
+KNOT_FIELDS = ("step_frac", "calls", "tokens", "tool_time", "tail")
+
+
+@dataclass(frozen=True)
+class Knot:
+    """The workload's multipliers at one point of the run (``step_frac``: 0 = the first step,
+    1 = the last). ``calls`` scales calls per run, ``tokens`` output tokens per call,
+    ``tool_time`` the environment time after each call (each a ``Dist``'s
+    median); ``tail`` scales the spread of calls per run (a lognormal's sigma; a Pareto's
+    tail index is divided by it): above 1 a heavier tail. A ``cap`` never drifts: it is a
+    limit the harness sets (a turn cap), not the agent's behaviour, so calls growing past it
+    are cut there."""
+    step_frac: float
+    calls: float = 1.0
+    tokens: float = 1.0
+    tool_time: float = 1.0
+    tail: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in KNOT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise WorkloadError(f"{name}={value!r}: expected a finite number")
+        if not 0.0 <= self.step_frac <= 1.0:
+            raise WorkloadError(f"step_frac={self.step_frac}: must be in [0, 1] (0 = the first step, 1 = the last)")
+        for name in KNOT_FIELDS[1:]:
+            if getattr(self, name) <= 0:
+                raise WorkloadError(f"{name}={getattr(self, name)}: a multiplier must be > 0")
+
+
+# Named drifts (docs/sim.md "Drift" gives the published training curves behind each shape;
+# the magnitudes were tuned until each moves the paper preset's best static split by >= 2
+# cells over the run, which issue 55 asks of them).
+DRIFT_SHAPES: dict[str, tuple[Knot, ...]] = {
+    # Agents learn to make more calls (2x over the run) and the calls grow slower with them
+    # (longer tool runs: the environment time per call grows as the calls do).
+    "calls-grow-2x": (Knot(0.0), Knot(1.0, calls=2.0, tool_time=2.0)),
+    # Runs of one length at first, then a few learn to go on far longer while the median
+    # holds: the spread of calls per run grows from a third of the preset's to twice it.
+    "tail-thickens": (Knot(0.0, tail=1 / 3), Knot(1.0, tail=2.0)),
+    # The mirror: a heavy spread at first (twice the preset's) that runs converge out of, to
+    # a third of it. From 1x to 1/3 the paper preset's best split moved only 1 cell.
+    "tail-thins": (Knot(0.0, tail=2.0), Knot(1.0, tail=1 / 3)),
+}
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A per-step schedule of the run shape's multipliers: ``knots`` interpolated linearly over
+    the run's steps (held flat before the first and after the last), or a named ``shape``
+    (``DRIFT_SHAPES``). Neither: the workload holds still. Sampling stays seeded per (seed,
+    step), so every policy still gets the same runs."""
+    shape: str = ""
+    knots: tuple[Knot, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.shape and self.knots:
+            raise WorkloadError(f"drift.shape={self.shape!r} and drift.knots: give one, not both")
+        if self.shape and self.shape not in DRIFT_SHAPES:
+            raise WorkloadError(f"drift.shape={self.shape!r}: valid shapes are {', '.join(sorted(DRIFT_SHAPES))}")
+        if not isinstance(self.knots, (list, tuple)):
+            raise WorkloadError(f"drift.knots: expected a list of knots, got {type(self.knots).__name__}")
+        knots = tuple(_knot(k, i) for i, k in enumerate(self.knots))
+        for i in range(1, len(knots)):
+            if knots[i].step_frac <= knots[i - 1].step_frac:
+                raise WorkloadError(f"drift.knots[{i}].step_frac={knots[i].step_frac}: knots must be in increasing "
+                                    f"step_frac (the one before is at {knots[i - 1].step_frac})")
+        object.__setattr__(self, "knots", knots)   # YAML gives lists of mappings; hashable for the batch cache
+
+    @property
+    def points(self) -> tuple[Knot, ...]:
+        return DRIFT_SHAPES[self.shape] if self.shape else self.knots
+
+    def at(self, step_frac: float) -> Knot:
+        """The multipliers at ``step_frac`` of the run, interpolated between the knots."""
+        pts = self.points
+        if not pts:
+            return Knot(step_frac)
+        xs = [k.step_frac for k in pts]
+        return Knot(step_frac, **{f: float(np.interp(step_frac, xs, [getattr(k, f) for k in pts]))
+                                  for f in KNOT_FIELDS[1:]})
+
+
+def _knot(k: Any, i: int) -> Knot:
+    """A knot from YAML (a mapping) or as given, its errors named by its place in the list."""
+    if isinstance(k, Knot):
+        return k
+    if not isinstance(k, dict):
+        raise WorkloadError(f"drift.knots[{i}]: expected a mapping with keys {', '.join(KNOT_FIELDS)}, got {k!r}")
+    unknown = sorted(set(k) - set(KNOT_FIELDS))
+    if unknown:
+        raise WorkloadError(f"drift.knots[{i}].{unknown[0]}: unknown key; valid keys: {', '.join(KNOT_FIELDS)}")
+    if "step_frac" not in k:
+        raise WorkloadError(f"drift.knots[{i}].step_frac: missing (where in the run, 0..1, the knot sits)")
+    try:
+        return Knot(**k)
+    except WorkloadError as exc:
+        raise WorkloadError(f"drift.knots[{i}].{exc}") from None
+
+
+def _scaled_dist(d: Dist, by: float, tail: float = 1.0) -> Dist:
+    return dataclasses.replace(d, median=d.median * by, sigma=d.sigma * tail, alpha=d.alpha / tail)
+
+
 @dataclass(frozen=True)
 class Fleet:
     cells: int = 6                          # core cells included; the same GPU budget for every policy
@@ -175,6 +279,7 @@ class Workload:
     train: TrainModel = TrainModel()
     fleet: Fleet = Fleet()
     policy: PolicyParams = PolicyParams()
+    drift: Drift = Drift()
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -189,6 +294,23 @@ class Workload:
         if self.core_cells + self.fleet.rollout_only > self.fleet.cells - 1:
             raise WorkloadError(f"fleet.cells={self.fleet.cells}: {self.core_cells} core cells (the training state) and "
                                 f"fleet.rollout_only={self.fleet.rollout_only} leave no elastic cell")
+
+        if self.run.calls.kind == "fixed" and any(k.tail != 1.0 for k in self.drift.points):
+            raise WorkloadError("drift: a tail multiplier on run.calls of kind 'fixed' (no spread) changes nothing; "
+                                "give run.calls a lognormal or pareto spread, or leave the knots' tail at 1")
+
+    def step_frac(self, step: int) -> float:
+        """Where step ``step`` lies in the run: 0 at the first, 1 at the last."""
+        return step / (self.steps - 1) if self.steps > 1 else 0.0
+
+    def run_at(self, step: int) -> RunShape:
+        """The run shape of step ``step``: ``run`` under the drift's multipliers there."""
+        if not self.drift.points:
+            return self.run
+        k, r = self.drift.at(self.step_frac(step)), self.run
+        return dataclasses.replace(r, calls=_scaled_dist(r.calls, k.calls, k.tail),
+                                   output_tokens=_scaled_dist(r.output_tokens, k.tokens),
+                                   tool_s=_scaled_dist(r.tool_s, k.tool_time))
 
     @property
     def core_cells(self) -> int:
