@@ -168,7 +168,8 @@ class TrainConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    tasks: str = Field("builtin", description="task suite name")
+    tasks: str = Field("builtin", description="task suite name, or a directory of tasks: a path with a '/' "
+                                              "(one folder per task; docs/harness.md, examples/tasks/)")
     runs_per_task: int = Field(4, ge=1, le=65536, description="G: runs per task (the advantage group)")
     tasks_per_step: int = Field(2, ge=1, le=1 << 20)
     max_new_tokens: int = Field(64, ge=1, le=1 << 24)
@@ -207,7 +208,8 @@ class WarmstartConfig(_Section):
     cache_dir: str = Field("runs/warmstart", description="where built checkpoints are cached")
     tasks: str | None = Field(
         None, description="the suite the teacher runs (default: rollout.tasks): a warm start on smaller tasks "
-                          "than the ones RL runs on")
+                          "than the ones RL runs on; a directory of tasks only where it holds built-in tasks "
+                          "(a teacher playbook is written for those)")
     runs_per_task: int = Field(2, ge=1, description="teacher trajectories per task (different seeds)")
     teacher_give_up: float = Field(
         0.0, ge=0, le=1, description="share of the teacher's runs that stop at the retry instead of delegating "

@@ -18,16 +18,18 @@ from gyre_hpc.config import ConfigError, RunConfig, load_config
 
 def check_config(cfg: RunConfig) -> None:
     """Raise ConfigError naming the field and the valid choices; returns quietly when fine."""
-    from gyre_hpc.rl.tasks import task_suite_names
+    from gyre_hpc.rl.tasks import load_tasks, task_suite_names
 
     from gyre_hpc.harness.confine import ConfinementError, check_confinement
     try:   # before any launch: a run whose tool calls would all be refused does not start
         check_confinement(cfg.rollout.allow_unconfined)
     except ConfinementError as exc:
         raise ConfigError(f"rollout.allow_unconfined=false: {exc}") from None
-    suites = task_suite_names()
-    if cfg.rollout.tasks not in suites:
-        raise ConfigError(f"rollout.tasks={cfg.rollout.tasks!r} is not a task suite; valid suites: {', '.join(suites)}")
+    if cfg.rollout.tasks not in task_suite_names():
+        try:   # a directory of tasks is read whole here: a bad spec is refused before any launch
+            load_tasks(cfg.rollout.tasks)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.model.path:
         from gyre_hpc.models.checkpoint import CONFIG_FILE, is_checkpoint
 
@@ -47,13 +49,29 @@ def prepare_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:
     """``cfg`` starting from its warm-start checkpoint (``warmstart.cache.with_warmstart``), its
     ``model.path`` made absolute. Why absolute: a relative path is the user's, from where they
     started the run, but the fleet's ranks start in the run directory, where it names nothing
-    (found after four launches, the error only in the fleet log)."""
+    (found after four launches, the error only in the fleet log). A task directory's path
+    likewise."""
     from gyre_hpc.warmstart.cache import with_warmstart
 
-    cfg = with_warmstart(cfg, log=log, build=build)
+    cfg = with_warmstart(absolute_task_dirs(cfg), log=log, build=build)
     if cfg.model.path and not Path(cfg.model.path).is_absolute():
         path = str(Path(cfg.model.path).expanduser().resolve())
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})
+    return cfg
+
+
+def absolute_task_dirs(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``rollout.tasks`` and ``warmstart.tasks`` made absolute where they name a
+    directory of tasks (a suite's name stays as it is)."""
+    from gyre_hpc.harness.tasks import is_task_dir
+    from gyre_hpc.rl.tasks import task_suite_names
+
+    for section in ("rollout", "warmstart"):
+        part = getattr(cfg, section)
+        if part.tasks is None or part.tasks in task_suite_names() or not is_task_dir(part.tasks):
+            continue
+        path = str(Path(part.tasks).expanduser().resolve())
+        cfg = cfg.model_copy(update={section: part.model_copy(update={"tasks": path})})
     return cfg
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gyre_hpc.harness.tasks import Task, TaskTest, load_suite, suite_names
+from gyre_hpc.harness.tasks import Task, TaskTest, is_task_dir, load_suite, suite_names
 
 TOOL_MEDIAN_S = 2.0
 TOOL_SIGMA = 0.6
@@ -48,9 +48,10 @@ def task_suite_names() -> list[str]:
 
 
 def load_tasks(name: str) -> list[Task]:
-    """``rollout.tasks``: an rl suite here or a harness suite."""
+    """``rollout.tasks``: an rl suite here, a harness suite or a directory of tasks."""
     if name in RL_SUITES:
         return RL_SUITES[name]()
-    if name not in suite_names():
-        raise ValueError(f"rollout.tasks={name!r} is not a task suite; valid suites: {', '.join(task_suite_names())}")
+    if name not in suite_names() and not is_task_dir(name):
+        raise ValueError(f"rollout.tasks={name!r} is not a task suite; valid suites: {', '.join(task_suite_names())}; "
+                         f"or a directory of tasks (a path with a '/', e.g. ./{name})")
     return load_suite(name)

@@ -30,7 +30,7 @@ from gyre_hpc import fsio
 from gyre_hpc.config import ConfigError, RunConfig
 from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.loop import SUBAGENT_TEXT, SYSTEM_TEXT, HarnessConfig
-from gyre_hpc.harness.tasks import load_suite, suite_names
+from gyre_hpc.harness.tasks import builtin_task, load_suite, suite_names
 from gyre_hpc.harness.tokenizer import ChatFormat
 from gyre_hpc.models.checkpoint import is_checkpoint, save_pretrained
 from gyre_hpc.models.tiny_lm import build_model
@@ -54,10 +54,15 @@ def warmstart_suite(cfg: RunConfig) -> tuple[str, str]:
 def _tasks(cfg: RunConfig):
     name, field = warmstart_suite(cfg)
     tasks = load_suite(name, field)
-    missing = [t.task_id for t in tasks if playbook_of(t) is None]
+    # A playbook is looked up by task id and was written for the built-in task of that id: a
+    # task from files under the same id but other content would get a teacher solving another
+    # task. A built-in suite written out as files loads back equal and keeps its playbooks.
+    missing = [t.task_id for t in tasks if playbook_of(t) is None or builtin_task(t.task_id) != t]
     if missing:
         raise ValueError(f"warmstart: {field}={name!r} has tasks without a teacher playbook "
-                         f"({', '.join(missing)}); suites with playbooks: {', '.join(playbook_suites())}")
+                         f"({', '.join(missing)}); a playbook is written for a built-in task, so a task "
+                         f"from files has one only where it equals that task; suites with playbooks: "
+                         f"{', '.join(playbook_suites())}")
     return tasks
 
 

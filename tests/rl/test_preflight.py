@@ -1,12 +1,15 @@
-"""The rl preflight: a run's model checkpoint checked and made absolute before anything launches."""
+"""The rl preflight: a run's model checkpoint and task directory checked and made absolute before anything
+launches."""
 from __future__ import annotations
 
 import pytest
 
 from gyre_hpc.config import ConfigError, build_config
+from gyre_hpc.harness.tasks import load_suite, write_task_dir
 from gyre_hpc.models.checkpoint import save_pretrained
 from gyre_hpc.models.tiny_lm import build_model
-from gyre_hpc.rl.preflight import check_config, prepare_config
+from gyre_hpc.rl.preflight import absolute_task_dirs, check_config, prepare_config
+from gyre_hpc.rl.tasks import load_tasks
 
 
 def _cfg(tmp_path, path: str):
@@ -30,3 +33,32 @@ def test_a_model_path_that_is_no_checkpoint_is_refused_by_name(tmp_path):
         check_config(_cfg(tmp_path, str(tmp_path / "empty")))
     with pytest.raises(ConfigError, match=r"model.path='.*missing' is not a checkpoint directory"):
         check_config(_cfg(tmp_path, str(tmp_path / "missing")))
+
+
+def _tasks_cfg(tmp_path, tasks: str):
+    return build_config({"workload": "rl", "run_dir": str(tmp_path / "run"),
+                         "rollout": {"allow_unconfined": True, "tasks": tasks}})
+
+
+def test_a_task_directory_is_read_before_launch_and_its_relative_path_made_absolute(tmp_path, monkeypatch):
+    write_task_dir(load_suite("repo"), tmp_path / "mine")
+    monkeypatch.chdir(tmp_path)
+    cfg = _tasks_cfg(tmp_path, "./mine")
+    check_config(cfg)
+    assert load_tasks("./mine") == load_suite("repo")
+    # The fleet's ranks start in the run directory: they get the directory from here, absolute.
+    assert prepare_config(cfg, build=False).rollout.tasks == str(tmp_path / "mine")
+    assert absolute_task_dirs(_tasks_cfg(tmp_path, "easy-tool")).rollout.tasks == "easy-tool"   # a suite stays
+    assert absolute_task_dirs(_tasks_cfg(tmp_path, "long")).rollout.tasks == "long"
+
+
+def test_a_broken_or_missing_task_directory_is_refused_before_launch(tmp_path):
+    write_task_dir(load_suite("repo"), tmp_path / "mine")
+    (tmp_path / "mine" / "fizzbuzz" / "task.yaml").write_text("prompt: x\nturn_budget: -1\n")
+    with pytest.raises(ConfigError, match=r"mine/fizzbuzz/task.yaml: turn_budget: Input should be greater than"):
+        check_config(_tasks_cfg(tmp_path, str(tmp_path / "mine")))
+    with pytest.raises(ConfigError, match=r"rollout.tasks='.*/gone': no such directory"):
+        check_config(_tasks_cfg(tmp_path, str(tmp_path / "gone")))
+    with pytest.raises(ConfigError, match=r"rollout.tasks='nope' is not a task suite; valid suites: builtin, easy, "
+                                          r"easy-3turn, easy-tool.*or a directory of tasks"):
+        check_config(_tasks_cfg(tmp_path, "nope"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gyre_hpc.config import ConfigError, build_config, load_config
-from gyre_hpc.harness.tasks import load_suite
+from gyre_hpc.harness.tasks import load_suite, write_task_dir
 from gyre_hpc.models.checkpoint import load_pretrained
 from gyre_hpc.models.tiny_lm import build_model
 from gyre_hpc.warmstart.cache import (SHIPPED, cached_warmstart, ensure_warmstart, ship_warmstart, teacher_harness,
@@ -59,6 +59,21 @@ def test_warmstart_refuses_a_suite_the_teacher_does_not_know(tmp_path):
         warmstart_key(_cfg(tmp_path, "warmstart.tasks=easy"))
     with pytest.raises(ValueError, match="warmstart.tasks='nope' is not a task suite; valid suites: builtin"):
         warmstart_key(_cfg(tmp_path, "warmstart.tasks=nope"))
+
+
+def test_a_built_in_suite_written_as_files_keeps_its_warmstart_key_and_an_edited_one_is_refused(tmp_path):
+    write_task_dir(load_suite("long"), tmp_path / "long")
+    # The key hashes the tasks' contents: the same suite from files is the same warm start.
+    assert warmstart_key(_cfg(tmp_path, f"rollout.tasks={tmp_path / 'long'}")) == warmstart_key(_cfg(tmp_path))
+    spec = tmp_path / "long" / "lh-greet" / "task.yaml"
+    spec.write_text(spec.read_text().replace("turn_budget: 16", "turn_budget: 15"))
+    # Same id, other task: the lh-greet playbook was written for the built-in one.
+    with pytest.raises(ValueError, match=r"warmstart.tasks='.*/long' has tasks without a teacher playbook "
+                                         r"\(lh-greet\); a playbook is written for a built-in task"):
+        warmstart_key(_cfg(tmp_path, f"warmstart.tasks={tmp_path / 'long'}"))
+    with pytest.raises(ValueError, match=r"rollout.tasks='.*/examples/tasks' has tasks without a teacher playbook "
+                                         r"\(add-two, word-count\)"):
+        warmstart_key(_cfg(tmp_path, f"rollout.tasks={EXAMPLES / 'tasks'}"))
 
 
 def test_warmstart_tasks_picks_the_suite_the_teacher_runs_and_rl_may_run_larger_ones(tmp_path):
