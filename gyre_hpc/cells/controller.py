@@ -111,9 +111,6 @@ class StepDriver(Protocol):
     def sealed(self, step: int) -> None:
         """The checkpoint of ``step`` is committed."""
 
-    def step_done(self, step: int, checkpointed: bool) -> None:
-        """After the step (and its checkpoint, if one was due)."""
-
     def before_stop(self) -> None:
         """Bring every cell rank back to the command loop (e.g. pause engines)."""
 
@@ -448,7 +445,6 @@ class Controller:
             due = step % self.cfg.train.checkpoint_every == 0 or step == steps
             if due:
                 self.save_checkpoint(step)
-            self.driver.step_done(step, due)
             step += 1
         if self.result.last_completed >= steps:
             return self.stop(EXIT_DONE)

@@ -3,7 +3,8 @@
 Why asyncio: the controller drives many runs at once (G runs per task, several tasks) on
 one thread; each run awaits its model calls, so requests from all runs reach the engine
 together and batch, while tools (commands, tests) run in worker threads. A client only has
-to implement ``complete``; ``EngineClient`` (engine_client.py) adapts an engine.
+to implement ``complete``; ``EngineCalls`` (engine_client.py) adapts an engine, and its
+``client(run_seed)`` is the ``RunClient`` one run calls.
 """
 from __future__ import annotations
 

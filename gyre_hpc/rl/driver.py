@@ -228,13 +228,10 @@ class RLStepDriver:
 
     def checkpoint_contents(self, step: int, staging: Path) -> tuple[list[str], dict]:
         return (list(CHECKPOINT_FILES) + [self.rows.save(staging, step)],
-                {"trees_committed": len(self.store), "trained_upto": self.trained_upto, "workload": "rl"})
+                {"trees_committed": len(self.store), "trained_upto": self.trained_upto})
 
     def sealed(self, step: int) -> None:
         self.rows.seal(step, self.fleet.metrics)
-
-    def step_done(self, step: int, checkpointed: bool) -> None:
-        pass
 
     def before_stop(self) -> None:
         if self._next is not None:      # runs rolled out ahead of a step that will not run now

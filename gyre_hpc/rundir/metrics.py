@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol
 
@@ -320,10 +320,6 @@ def read_table(path: str | Path, table: str) -> dict[str, np.ndarray]:
                 data = np.array([x.decode(errors="replace") for x in data], dtype=object)
             out[col] = data
         return out
-
-
-def row_fields(row_type: type) -> list[str]:
-    return [f.name for f in fields(row_type)]
 
 
 def recover_unclosed(path: str | Path) -> bool:

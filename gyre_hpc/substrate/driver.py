@@ -145,8 +145,5 @@ class SubstrateDriver:
     def sealed(self, step: int) -> None:
         self._rows.seal(step, self.fleet.metrics)
 
-    def step_done(self, step: int, checkpointed: bool) -> None:
-        pass
-
     def before_stop(self) -> None:
         pass

@@ -86,6 +86,16 @@ def test_a_fleet_checkpoint_raises_the_one_checkpoint_error_of_models(tmp_path):
     assert ck.CheckpointError is CheckpointError
 
 
+def test_a_checkpoint_whose_meta_still_names_its_workload_reads_back(tmp_path):
+    """Checkpoints before issue 50 recorded ``extra.workload``, which nothing read; they resume."""
+    final = save(tmp_path, 2)
+    meta = json.loads((final / "meta.json").read_text())
+    meta["extra"] = {"trees_committed": 8, "trained_upto": 8, "workload": "rl"}
+    (final / "meta.json").write_text(json.dumps(meta))
+    back = ck.read_meta(ck.latest_dir(tmp_path))
+    assert (back.step, back.extra["trained_upto"]) == (2, 8)
+
+
 def test_a_step_dir_latest_never_named_is_replaced_by_the_rerun(tmp_path):
     save(tmp_path, 1)
     # A writer killed after renaming step 2 into place but before repointing latest.
