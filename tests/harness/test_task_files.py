@@ -172,3 +172,23 @@ def test_a_file_task_is_scored_by_its_tests_in_a_real_workspace(tmp_path):
     assert "FAIL adds_negative: AssertionError" in wrong.summary()
     (ws / "calc.py").write_text("def add(a, b):\n    return a + b\n")
     assert check_workspace(task, ws).score == 1.0
+
+
+def test_the_docs_worked_example_is_the_example_directory():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "harness.md").read_text()
+    section = docs.split("### Tasks from files", 1)[1]
+    yaml_block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    python_block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert yaml_block == (EXAMPLE / "add-two" / "task.yaml").read_text()
+    assert python_block == (EXAMPLE / "add-two" / "tests" / "adds.py").read_text()
+
+
+def test_a_test_may_run_a_command_in_the_judge_and_assert_on_its_output(tmp_path):
+    code = ("import subprocess\nr = subprocess.run(['python3', '-c', 'import calc; print(calc.add(2, 3))'],\n"
+            "                   capture_output=True, text=True, timeout=10)\nassert r.stdout == '5\\n', r\n")
+    root = _task_dir(tmp_path / "suite", tests={"cmd.py": code}, files={"calc.py": "def add(a, b):\n    return a + b\n"})
+    (task,) = load_task_dir(root)
+    ws = task.materialize(tmp_path / "ws")
+    assert check_workspace(task, ws).score == 1.0
+    (ws / "calc.py").write_text("def add(a, b):\n    return a * b\n")
+    assert check_workspace(task, ws).score == 0.0
