@@ -139,8 +139,9 @@ def reap_stray_sruns(run: RunDir) -> list[str]:
                 continue
             killed.append(pid)
             reaped.append(f"pid {pid} (srun of ended step {step})")
-    # SIGKILL is not death: the caller's next look (``live_fleet``) found a just-killed srun
-    # still in /proc and refused the rerun for it (a CI run, 2026-12-07). Wait until they are gone.
+    # SIGKILL is not death: a just-killed srun stays in /proc until the kernel has taken it
+    # down, and the caller's next look (``live_fleet``) would refuse the rerun for it
+    # (docs/jobs.md, "Measurements"). Wait until they are gone.
     deadline = time.monotonic() + REAP_WAIT_S
     while killed and time.monotonic() < deadline:
         killed = [pid for pid in killed if _alive(pid)]

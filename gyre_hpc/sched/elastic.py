@@ -85,12 +85,12 @@ class ElasticParams:
     # Requests one engine admits at once (the device's ``max_seqs``): how a split held
     # off-policy sizes the engines its open runs need once no run can start before the
     # update (see the module docstring). 0 (the default, and ``device_sized`` leaves it): such
-    # a split releases nothing while a run is open. Opt-in: on paper-local's paced fleet it
-    # lost to the split it holds, with joins that moved the state (bench e2e 2026-12-04:
-    # 0.908x of async-6) and with weights-only joins in place (2026-12-06: 0.929x; the runs
-    # rolled out ahead finish later on the engine left, and the next step waits for them); with
-    # waiting ranks yielding it ties (2026-12-07: 21.28 s at 32 and at 16, as async-6): the
-    # joiner's ~6 s are worth less than the run-sized quantum the step ends on (docs/rl.md).
+    # a split releases nothing while a run is open. Opt-in because on paper-local's paced fleet
+    # it has not beaten the split it holds (a taken-back floor cell's return flip costs the next
+    # step its start; runs rolled out ahead finish later on the engine left, and the next step
+    # waits for them); at best it ties, since the joiner's few seconds
+    # are worth less than the run-sized quantum the step ends on (the measurements: docs/rl.md,
+    # "The rule measured" and "Why elastic at staleness 1 ties the split").
     # At most the device's max_seqs (``device_sized`` refuses more).
     max_requests_per_engine: int = 0
     # Versions a rollout may lag the trainer; elastic is on-policy by default.

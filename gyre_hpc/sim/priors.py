@@ -24,7 +24,7 @@ class Prior:
 # The paper preset. The first is the one figure fitted (to colocate's hours only): the
 # training rate, the figure with the widest documented uncertainty (the MFU of a 2.4T MoE's
 # RL step at ~350K mean position) and real leverage on colocate (76-104 h across its range;
-# the prefill's attention cost, fitted until 2026-12-03, moved it 82-85 h).
+# the prefill's attention cost moves it only 82-85 h, too little to fit: docs/sim.md).
 PAPER_FITTED = Prior("train.tokens_per_s", 1500.0, 3200.0, "16-35% MFU on 64 H800 at ~7e12 FLOP a token")
 PAPER_PRIORS: tuple[Prior, ...] = (
     Prior("engine.prefill_ctx_tokens", 27_000.0, 80_000.0,

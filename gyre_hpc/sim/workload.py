@@ -332,10 +332,11 @@ class Workload:
 # The one figure of the paper preset fitted, to the paper's colocate hours only
 # (gyre_hpc.sim.calibrate.fit with gyre_hpc.sim.priors.PAPER_FITTED): the training rate per
 # cell, inside its prior (1,500-3,200 tok/s, 16-35% MFU); every other figure is a physical
-# prior documented in docs/sim.md. Until 2026-12-03 the fitted figure was the prefill's
-# attention cost, which moves colocate only 82-85 h across its prior: that fit failed once
-# engines a flip opens shared the waiting calls. The prefill figure is now its derivation's
-# value, 27,000 (MLA's attention FLOPs equal the linear FLOPs there).
+# prior documented in docs/sim.md. The prefill's attention cost is not fitted: it moves
+# colocate only 82-85 h across its prior, so no value of it reaches the paper's hours once
+# engines a flip opens share the waiting calls (docs/sim.md, "Why the training rate is the
+# fitted figure"); it takes its derivation's value, 27,000 (MLA's attention FLOPs equal the
+# linear FLOPs there).
 PAPER_TRAIN_TOKENS_PER_S = 1945.0
 PAPER_PREFILL_CTX_TOKENS = 27_000.0
 
