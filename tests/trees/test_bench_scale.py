@@ -65,3 +65,38 @@ def test_in_child_returns_the_childs_figures_and_fails_fast_when_the_child_dies(
     with pytest.raises(click.ClickException, match="exited with 1 before reporting"):
         in_child(_raises, 4, label="t", timeout_s=120)
     assert time.monotonic() - t0 < 60          # not the timeout: the child's death is noticed
+
+
+def test_real_width_model_is_smollm2s_shape_and_layers_can_be_cut():
+    from gyre_hpc.bench.scale import REAL_WIDTH_PRESET, TrainModel
+
+    spec = TrainModel(REAL_WIDTH_PRESET, layers=1)
+    model = spec.build(seed=0)
+    about = spec.describe(model)
+    assert (about["d_model"], about["n_heads"], about["n_kv_heads"], about["d_ff"]) == (576, 9, 3, 1536)
+    assert about["vocab_size"] == 49152 and about["n_layers"] == 1 == len(model.model.layers)
+    assert model.lm_head is None and "random init" in about["weights"]
+    # the embedding (tied head) is 28.3M of the parameters, one layer 3.5M
+    assert about["params"] == 49152 * 576 + 576 + (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536 + 2 * 576)
+
+
+def test_full_logits_step_is_the_chunked_heads_loss_and_is_refused_for_chunked_rows():
+    from gyre_hpc.bench.scale import _step
+    from gyre_hpc.models.decoder import build_model
+    from gyre_hpc.trees.builder import build_tree
+    from gyre_hpc.trees.loss import StepWeights
+    from gyre_hpc.trees.packing import collate, pack
+
+    tree = build_tree(synthetic_journal(SyntheticConfig(n_calls=4), seed=1), task_id="t", reward=1.0)
+    batch = collate(pack([tree], tree.n_tokens))
+    weights = StepWeights(np.array([1.0]), np.array([int(tree.trained.sum())]), 1)
+    model = build_model("tiny", seed=2)
+    full = _step(model, batch, weights, None, 0)
+    g_full = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    chunked = _step(model, batch, weights, None, 16)
+    assert abs(full - chunked) <= 1e-6 * abs(full)
+    for p, g in zip(model.parameters(), g_full):
+        assert float((p.grad - g).abs().max()) <= 1e-5 * float(g.abs().max())
+    result = CliRunner().invoke(command, ["--calls", "", "--train-tokens", "", "--logit-chunk", "0"])
+    assert result.exit_code != 0 and "--logit-chunk" in result.output
