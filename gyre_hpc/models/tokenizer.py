@@ -32,6 +32,9 @@ TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Where transformers >= 4.47 saves the template (the config then has no ``chat_template``),
+# as many checkpoints on the hub now ship it.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # The Qwen2.5 chat layout (ChatML, tool results as a user turn inside <tool_response>),
 # without the tool-schema preamble: the system text states the tools itself.
@@ -155,7 +158,8 @@ def embedded_tokenizer() -> ChatTokenizer:
 
 
 def load_tokenizer(directory: str | Path) -> ChatTokenizer:
-    """The tokenizer of an HF checkpoint folder (``tokenizer.json`` + ``tokenizer_config.json``)."""
+    """The tokenizer of an HF checkpoint folder (``tokenizer.json`` + ``tokenizer_config.json``);
+    the chat template from the config's field, else from ``chat_template.jinja`` beside it."""
     d = Path(directory)
     cfg_path = d / TOKENIZER_CONFIG_FILE
     if not cfg_path.is_file():
@@ -165,8 +169,12 @@ def load_tokenizer(directory: str | Path) -> ChatTokenizer:
     template = cfg.get("chat_template")
     if isinstance(template, list):  # HF's list form: [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja = d / CHAT_TEMPLATE_FILE
+    if not template and jinja.is_file():
+        template = jinja.read_text()
     if not template:
-        raise TokenizerError(f"{cfg_path} has no chat_template")
+        raise TokenizerError(f"checkpoint {d}: no chat template: {cfg_path} has no chat_template "
+                             f"and {jinja} does not exist (or is empty)")
 
     def content(key: str, default: str) -> str:
         v = cfg.get(key) or default
