@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": "gyre_hpc.cli:bench",
     "sim": "gyre_hpc.sim.cli:sim",
     "warmstart": "gyre_hpc.warmstart.cli:warmstart",
+    "models": "gyre_hpc.models.cli:models",
 }
 
 
