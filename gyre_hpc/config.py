@@ -165,6 +165,9 @@ class TrainConfig(_Section):
         "run", description="token mean within each run, then over runs; or one mean over the step's tokens")
     group_forest: bool = Field(
         True, description="pack an advantage group's trees as one forest, its common prompt computed once")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer in the backward, holding one layer's activations at a time "
+                           "(a real-width model's long paths; docs/trees.md)")
 
 
 class RolloutConfig(_Section):

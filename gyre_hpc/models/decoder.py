@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gyre_hpc.models import invariant as inv
 from gyre_hpc.models.tokenizer import EMBEDDED_VOCAB_SIZE
@@ -281,12 +282,16 @@ class CausalLM(nn.Module):
         kv_cache: KVCacheHook | None = None,
         invariant: bool = False,
         head: bool = True,
+        checkpoint_layers: bool = False,
     ):
         """Logits [B, T, V]; with ``use_cache`` also the per-layer (k, v) [B, Hkv, S_past+T, Dh].
 
         ``head=False``: the final norm's hidden states [B, T, d_model] in place of the logits,
         for a caller that applies ``output_weight`` to a few rows at a time (the trainer:
         ``trees.token_logprobs``; at a 49K vocabulary the full logits are the step's largest tensor).
+        ``checkpoint_layers`` (``train.activation_checkpointing``): under autograd each layer keeps
+        only its inputs and is recomputed in the backward, so a step holds one layer's activations
+        (and its expanded keys and values) at a time, not every layer's.
 
         ``invariant``: every product and the causal attention through ``models.invariant``, so a
         token's logits do not depend on the batch, the chunking or the cache (an attention_fn or
@@ -314,7 +319,11 @@ class CausalLM(nn.Module):
         new_past: PastKV = []
         for i, layer in enumerate(self.model.layers):
             past = past_kv[i] if past_kv is not None else None
-            x, kv = layer(x, cos, sin, attn_mask, past, attention_fn, kv_cache, invariant)
+            if checkpoint_layers and kv_cache is None and torch.is_grad_enabled():
+                x, kv = checkpoint(layer, x, cos, sin, attn_mask, past, attention_fn, kv_cache, invariant,
+                                   use_reentrant=False)
+            else:
+                x, kv = layer(x, cos, sin, attn_mask, past, attention_fn, kv_cache, invariant)
             new_past.append(kv)
         x = self.model.norm(x)
         if head:

@@ -128,7 +128,8 @@ class RLTrainer:
         gap = LogprobGap()
         # A row longer than train.row_tokens (a tree deeper than a row) trains in chunks of it.
         loss = backward_packed(self.model, batch, mb.weights(), self.cfg.train.clip_eps, self.attention,
-                               chunk_tokens=self.cfg.train.row_tokens, gap=gap)
+                               chunk_tokens=self.cfg.train.row_tokens, gap=gap,
+                               checkpoint_layers=self.cfg.train.activation_checkpointing)
         return TrainResult(loss=loss, tokens=mb.loss_tokens, gap=gap)
 
     def grad_tensors(self) -> list[torch.Tensor]:

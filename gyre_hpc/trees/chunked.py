@@ -38,11 +38,13 @@ def chunk_bounds(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(n_tokens, s + chunk_tokens)) for s in range(0, n_tokens, chunk_tokens)]
 
 
-def _forward_chunk(model, batch: PackedBatch, s: int, e: int, past, attention: str, head: bool = True):
+def _forward_chunk(model, batch: PackedBatch, s: int, e: int, past, attention: str, head: bool = True,
+                   checkpoint_layers: bool = False):
     attention_fn = tree_attention(attention, batch.subtree_end[:, :e], needs_grad=torch.is_grad_enabled(),
                                   q_len=e - s, kv_len=e, position_ids=batch.position_ids)
     return model(batch.input_ids[:, s:e], batch.position_ids[:, s:e], past_kv=past, use_cache=True,
-                 attention_fn=attention_fn, head=head, **invariant_kwargs(attention_fn))
+                 attention_fn=attention_fn, head=head, checkpoint_layers=checkpoint_layers,
+                 **invariant_kwargs(attention_fn))
 
 
 def _chunk_batch(batch: PackedBatch, s: int, e: int) -> PackedBatch:
@@ -58,18 +60,19 @@ def _chunk_batch(batch: PackedBatch, s: int, e: int) -> PackedBatch:
 
 def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWeights, clip_eps: float,
                     attention: str = "auto", chunk_tokens: int | None = None, gap: LogprobGap | None = None,
-                    logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> float:
+                    logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS, checkpoint_layers: bool = False) -> float:
     """Accumulate this micro-batch's loss gradient into the parameters; return its loss.
 
     Rows of at most ``chunk_tokens`` tokens (or any row, with ``chunk_tokens=None``) take the
     plain path (one forward, ``loss.backward()``); longer rows go chunk by chunk (module doc).
     Either way the output head runs ``logit_chunk_tokens`` loss tokens at a time
-    (``trees.token_logprobs``). ``gap`` collects the trainer-vs-behaviour logprob figures of
-    every target.
+    (``trees.token_logprobs``). ``checkpoint_layers`` (``train.activation_checkpointing``):
+    each layer recomputed in the backward, one layer's activations held at a time. ``gap``
+    collects the trainer-vs-behaviour logprob figures of every target.
     """
     L = batch.shape[1]
     if chunk_tokens is None or L <= chunk_tokens:
-        loss = packed_loss(model, batch, weights, clip_eps, attention, gap, logit_chunk_tokens)
+        loss = packed_loss(model, batch, weights, clip_eps, attention, gap, logit_chunk_tokens, checkpoint_layers)
         loss.backward()
         return float(loss.detach())
     bounds = chunk_bounds(L, chunk_tokens)
@@ -88,11 +91,18 @@ def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWei
         if s > 0:
             past = [(k[:, :, :s].detach().requires_grad_(), v[:, :, :s].detach().requires_grad_())
                     for k, v in keys_values]
+            # Each layer's gradient for the earlier keys and values goes into the accumulators
+            # as soon as the backward reaches it, and is freed: kept on the leaves until the
+            # backward ends, every layer's would be held at once (2 x layers x s x kv width).
+            for pair, dpair in zip(past, grads):
+                for leaf, acc in zip(pair, dpair):
+                    leaf.register_post_accumulate_grad_hook(_drain_into(acc[:, :, :s]))
         chunk = _chunk_batch(batch, s, e)
         last = i == len(bounds) - 1
         if last and not bool(chunk.loss_mask.any()):
             continue  # nothing scored here and nothing downstream
-        hidden, present = _forward_chunk(model, batch, s, e, past, attention, head=False)
+        hidden, present = _forward_chunk(model, batch, s, e, past, attention, head=False,
+                                         checkpoint_layers=checkpoint_layers)
         outputs, upstream = [], []
         if bool(chunk.loss_mask.any()):
             loss = head_loss(hidden, model.output_weight, chunk, weights, clip_eps, gap, logit_chunk_tokens,
@@ -105,10 +115,12 @@ def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWei
                 outputs += [k[:, :, s:e], v[:, :, s:e]]
                 upstream += [dk[:, :, s:e], dv[:, :, s:e]]
         torch.autograd.backward(outputs, upstream)
-        if past is not None:
-            for (k, v), (dk, dv) in zip(past, grads):
-                if k.grad is not None:
-                    dk[:, :, :s] += k.grad
-                if v.grad is not None:
-                    dv[:, :, :s] += v.grad
     return total
+
+
+def _drain_into(acc: torch.Tensor):
+    """A post-accumulate-grad hook adding a leaf's gradient into ``acc`` and dropping it."""
+    def drain(leaf: torch.Tensor) -> None:
+        acc.add_(leaf.grad)
+        leaf.grad = None
+    return drain

@@ -253,15 +253,17 @@ def targets_loss(logp: torch.Tensor, batch: PackedBatch, weights: StepWeights, c
 
 def packed_loss(model: torch.nn.Module, batch: PackedBatch, weights: StepWeights, clip_eps: float,
                 attention: str = "auto", gap: LogprobGap | None = None,
-                logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> torch.Tensor:
+                logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS, checkpoint_layers: bool = False) -> torch.Tensor:
     """Forward one packed micro-batch with tree attention and return its share of the loss;
-    the output head runs ``logit_chunk_tokens`` loss tokens at a time (``head_loss``)."""
+    the output head runs ``logit_chunk_tokens`` loss tokens at a time (``head_loss``);
+    ``checkpoint_layers``: each layer recomputed in the backward (``CausalLM.forward``)."""
     from gyre_hpc.trees.attention import tree_attention
 
     attention_fn = tree_attention(attention, batch.subtree_end, needs_grad=torch.is_grad_enabled(),
                                   position_ids=batch.position_ids)
     invariant = invariant_kwargs(attention_fn)
-    hidden = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn, head=False, **invariant)
+    hidden = model(batch.input_ids, batch.position_ids, attention_fn=attention_fn, head=False,
+                   checkpoint_layers=checkpoint_layers, **invariant)
     return head_loss(hidden, model.output_weight, batch, weights, clip_eps, gap, logit_chunk_tokens, bool(invariant))
 
 

@@ -87,6 +87,18 @@ def test_unchunked_path_equals_chunked(model, make_journal):
     _assert_close(chunked, _grads(model), whole, g_whole, rel=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [None, 50])
+def test_checkpointed_layers_give_the_same_loss_and_gradient(model, make_journal, chunk):
+    """train.activation_checkpointing recomputes each layer in the backward: the same step."""
+    trees, _, _ = _setup(model, make_journal)
+    weights = StepWeights.from_trees(trees)
+    batch = collate(pack(trees[:2], 10_000))
+    plain = backward_packed(model, batch, weights, CLIP, "sdpa", chunk_tokens=chunk)
+    g_plain = _grads(model)
+    again = backward_packed(model, batch, weights, CLIP, "sdpa", chunk_tokens=chunk, checkpoint_layers=True)
+    _assert_close(again, _grads(model), plain, g_plain, rel=1e-12)
+
+
 def test_chunk_bounds_cover_the_row():
     assert chunk_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert chunk_bounds(4, 4) == [(0, 4)]
