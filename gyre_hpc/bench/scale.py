@@ -59,6 +59,7 @@ class TrainModel:
     layers: int | None = None     # keep the first N layers (memory per layer at a fraction of the time)
     logit_chunk: int = 1024       # loss tokens per output-head chunk; 0: the full [T, V] logits (as before)
     threads: int = 1
+    checkpoint_layers: bool = False   # train.activation_checkpointing
 
     def build(self, seed: int):
         import dataclasses
@@ -232,7 +233,7 @@ def _attention_rate(n_heads: int, head_dim: int, n_keys: int) -> float:
     return 3 * 4 * n_heads * 128 * n_keys * head_dim / best
 
 
-def _step(model, batch, weights, chunk: int | None, logit_chunk: int) -> float:
+def _step(model, batch, weights, chunk: int | None, logit_chunk: int, checkpoint_layers: bool = False) -> float:
     """One micro-batch's forward and backward as the trainer runs it; ``logit_chunk=0``: the
     whole row with the full [T, V] logits, the path before the output head ran in chunks."""
     from gyre_hpc.trees.attention import tree_attention
@@ -241,7 +242,7 @@ def _step(model, batch, weights, chunk: int | None, logit_chunk: int) -> float:
 
     if logit_chunk:
         return backward_packed(model, batch, weights, clip_eps=0.2, attention="sdpa", chunk_tokens=chunk,
-                               logit_chunk_tokens=logit_chunk)
+                               logit_chunk_tokens=logit_chunk, checkpoint_layers=checkpoint_layers)
     fn = tree_attention("sdpa", batch.subtree_end, needs_grad=True, position_ids=batch.position_ids)
     loss = tree_loss(model(batch.input_ids, batch.position_ids, attention_fn=fn), batch, weights, 0.2)
     loss.backward()
@@ -268,14 +269,14 @@ def _measure_train(tokens: int, chunk: int | None, spec: TrainModel, seed: int, 
     cfg = model.config
     # Warm up the kernels (first calls allocate and dispatch lazily) on a short row, then start clean.
     short = build_tree(synthetic_journal(run_config(1, single_path=True), seed=seed), task_id="task", reward=1.0)
-    _step(model, collate(pack([short], 2048)), weights, chunk, spec.logit_chunk)
+    _step(model, collate(pack([short], 2048)), weights, chunk, spec.logit_chunk, spec.checkpoint_layers)
     model.zero_grad(set_to_none=True)
     n_keys = max(128, int((batch.position_ids + 1).sum()) // max(batch.shape[1], 1))
     # The rate before and after the step, the better one: the box is shared, both can be slowed.
     rate_before = _attention_rate(cfg.n_heads, cfg.head_dim, n_keys)
     rss_before = _rss_bytes()
     t0, c0 = time.perf_counter(), time.process_time()
-    loss = _step(model, batch, weights, chunk, spec.logit_chunk)
+    loss = _step(model, batch, weights, chunk, spec.logit_chunk, spec.checkpoint_layers)
     step_s, step_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     peak = _peak_bytes()
     added = max(0, peak - rss_before)
@@ -373,10 +374,12 @@ def _per_token(rows: list[dict]) -> None:
 @click.option("--logit-chunk", type=click.IntRange(min=0), default=1024, show_default=True,
               help="loss tokens per output-head chunk; 0: the full [T, V] logits (the path before; whole rows only)")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch threads")
+@click.option("--checkpoint-layers", is_flag=True, help="recompute each layer in the backward "
+              "(train.activation_checkpointing)")
 @click.option("--seed", default=0, show_default=True)
 def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str | None, chunked_tokens: str | None,
             chunk_opt: int | None, preset: str, model_path: str | None, layers: int | None, logit_chunk: int,
-            threads: int, seed: int) -> None:
+            threads: int, checkpoint_layers: bool, seed: int) -> None:
     """Journal, harness, tree, store, pack and training costs against tokens, with growth exponents."""
     family = QUICK if quick else FULL
 
@@ -397,7 +400,7 @@ def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str
     if logit_chunk == 0 and chunked:
         raise click.BadParameter("0 (the full logits) measures whole rows only: pass --chunked-tokens ''",
                                  param_hint="--logit-chunk")
-    spec = TrainModel(preset, model_path, layers, logit_chunk, threads)
+    spec = TrainModel(preset, model_path, layers, logit_chunk, threads, checkpoint_layers)
     runs = []
     with tempfile.TemporaryDirectory(prefix="gyre-bench-scale-") as workdir:
         for n in calls:
@@ -425,6 +428,7 @@ def command(as_json: bool, quick: bool, calls_opt: str | None, train_tokens: str
             "training": f"one path of the given length (no retries/sub-agents), model {model_path or preset}"
                         f"{'' if layers is None else f' (first {layers} layers)'}, {threads} torch thread(s), "
                         f"sdpa tree attention with recomputed blocks; chunked = rows in chunks of {chunk} tokens; "
+                        f"{'layers recomputed in the backward; ' if checkpoint_layers else ''}"
                         + (f"output head over {logit_chunk} loss tokens at a time" if logit_chunk
                            else "full [T, V] logits (the path before the chunked head)"),
             "peak_rss_mb": "the measuring process's whole peak RSS (ru_maxrss): model, gradients, interpreter",
