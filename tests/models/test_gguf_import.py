@@ -248,3 +248,26 @@ def test_smollm_pre_tokenizer_splits_digits_one_by_one(tmp_path, reference, toke
     tok = gguf_tokenizer(read_gguf(path))
     assert [tok.decode([i]) for i in tok.encode("x 12345")] == ["x", " ", "1", "2", "3", "4", "5"]
     assert len(tokenizer.encode("12345")) < 5, "the test's BPE must have merged digits for this to show anything"
+
+
+def test_a_file_that_is_not_a_gguf_is_named(tmp_path, written):
+    with pytest.raises(CheckpointError, match=r"GGUF file .*absent.gguf does not exist"):
+        read_gguf(tmp_path / "absent.gguf")
+    (tmp_path / "text.gguf").write_text("not a gguf file")
+    with pytest.raises(CheckpointError, match=r"text.gguf is not a readable GGUF file: ValueError: GGUF magic invalid"):
+        read_gguf(tmp_path / "text.gguf")
+    (tmp_path / "cut.gguf").write_bytes(written[0].read_bytes()[:200])
+    with pytest.raises(CheckpointError, match=r"cut.gguf is not a readable GGUF file"):
+        read_gguf(tmp_path / "cut.gguf")
+
+
+def test_a_missing_metadata_key_is_named(written):
+    model = read_gguf(written[0])
+    no_template = dict(model.metadata)
+    del no_template["tokenizer.chat_template"]
+    with pytest.raises(CheckpointError, match=r"tiny-llama.gguf: metadata key tokenizer.chat_template is missing"):
+        gguf_tokenizer(type(model)(model.path, no_template, model.tensors))
+    no_layers = dict(model.metadata)
+    del no_layers["llama.block_count"]
+    with pytest.raises(CheckpointError, match=r"tiny-llama.gguf: metadata key llama.block_count is missing"):
+        lm_config(type(model)(model.path, no_layers, model.tensors))
