@@ -23,6 +23,7 @@ specials.
 """
 from __future__ import annotations
 
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,8 +159,8 @@ def hf_state(model: GGUFModel, cfg: LMConfig) -> dict[str, torch.Tensor]:
             hf = _TOP_TENSORS[stem]
         else:
             raise CheckpointError(f"{model.path}: tensor {name} has no counterpart in an HF Llama checkpoint")
-        # A copy: a float32 tensor is a read-only view of the memory-mapped file.
-        state[f"{hf}.{kind}"] = torch.tensor(values)
+        # An F32 tensor is a read-only view of the memory-mapped file: copied; a dequantized one is shared.
+        state[f"{hf}.{kind}"] = torch.from_numpy(values if values.flags.writeable else values.copy())
     return state
 
 
@@ -228,6 +229,9 @@ def import_gguf(path: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     lm, tokenizer = convert(read_gguf(path), dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.importing")
-    save_pretrained(lm, staged, extra={"imported_from": Path(path).name}, tokenizer=tokenizer)
-    fsio.replace_dir(staged, out)
+    try:
+        save_pretrained(lm, staged, extra={"imported_from": Path(path).name}, tokenizer=tokenizer)
+        fsio.replace_dir(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     return out

@@ -271,3 +271,13 @@ def test_a_missing_metadata_key_is_named(written):
     del no_layers["llama.block_count"]
     with pytest.raises(CheckpointError, match=r"tiny-llama.gguf: metadata key llama.block_count is missing"):
         lm_config(type(model)(model.path, no_layers, model.tensors))
+
+
+def test_a_failed_import_leaves_nothing_behind(tmp_path, tokenizer):
+    small = CausalLM(LMConfig(vocab_size=tokenizer.vocab_size - 10, **CFG))   # fewer rows than tokens
+    path = tmp_path / "short-vocab.gguf"
+    write_gguf(path, small, tokenizer)
+    with pytest.raises(CheckpointError, match=rf"the tokenizer has {tokenizer.vocab_size} ids, the model's "
+                                              rf"vocab_size is {tokenizer.vocab_size - 10}"):
+        import_gguf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short-vocab.gguf"]
