@@ -146,13 +146,13 @@ class Knot:
 # the magnitudes were tuned until each moves the paper preset's best static split by >= 2
 # cells over the run, which issue 55 asks of them).
 DRIFT_SHAPES: dict[str, tuple[Knot, ...]] = {
-    # Agents learn to make more calls (2x over the run) and the calls grow slower with them
-    # (longer tool runs: the environment time per call grows as the calls do).
+    # Agents learn to make twice the calls over the run, and each call's tool run grows with
+    # them (the environment time per call doubles too).
     "calls-grow-2x": (Knot(0.0), Knot(1.0, calls=2.0, tool_time=2.0)),
     # Runs of one length at first, then a few learn to go on far longer while the median
     # holds: the spread of calls per run grows from a third of the preset's to twice it.
     "tail-thickens": (Knot(0.0, tail=1 / 3), Knot(1.0, tail=2.0)),
-    # A heavy spread at first (three times the preset's: a quarter of the paper preset's runs
+    # A heavy spread at first (three times the preset's: 29% of the paper preset's runs
     # reach its 300-call cap) that runs converge out of, to a third of it. From 1x to 1/3 the
     # paper preset's best split moved 1 cell, from 2x to 1/3 by 3 on seed 0 and 1 on seed 1.
     "tail-thins": (Knot(0.0, tail=3.0), Knot(1.0, tail=1 / 3)),
