@@ -49,20 +49,36 @@ def _prompt(n: int) -> tuple[int, ...]:
     return (BOS_ID,) + tuple(torch.randint(0, 256, (n - 1,), generator=g).tolist())
 
 
-def _request(rid: str, prompt: tuple[int, ...]):
+def _request(rid: str, prompt: tuple[int, ...], max_new_tokens: int = NEW_TOKENS):
     from gyre_hpc.engines import Request, SamplingParams
 
-    return Request(rid, prompt, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=()))
+    return Request(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=()))
 
 
 def _prompt_len(context: int) -> int:
     return max(1, context - NEW_TOKENS)
 
 
+def moving_request(context: int):
+    """The request that is migrated: its prompt and budget fill exactly ``context`` positions."""
+    return _request("moving", _prompt(_prompt_len(context)))
+
+
+def baseline_request(context: int):
+    """The re-prefill baseline: the moving request's prompt plus its first sampled token.
+
+    Its budget is what the moving request has left after that token (``NEW_TOKENS - 1``), so it
+    needs the same ``context`` positions. With the full budget it asked for ``context + 1`` and a
+    32K context overran the tiny model's 32768 positions: the engine refused it on the re-prefill
+    rank, and the other rank then waited in a barrier forever.
+    """
+    return _request("baseline", _prompt(_prompt_len(context)) + (0,), NEW_TOKENS - 1)
+
+
 def _reprefill_s(model, context: int) -> float:
-    """Baseline: a destination that has no cache prefills prompt + generated tokens (context + 1)."""
+    """Baseline: a destination that has no cache prefills prompt + the first generated token."""
     dst = _engine(model, "reprefill")
-    dst.submit(_request("baseline", _prompt(_prompt_len(context)) + (0,)))
+    dst.submit(baseline_request(context))
     t0 = time.perf_counter()
     dst.step()
     return time.perf_counter() - t0
@@ -71,7 +87,7 @@ def _reprefill_s(model, context: int) -> float:
 def _source_state(model, context: int):
     """A source engine holding one sequence mid-decode: prefilled, two tokens sampled."""
     src = _engine(model, "source")
-    src.submit(_request("moving", _prompt(_prompt_len(context))))
+    src.submit(moving_request(context))
     t0 = time.perf_counter()
     src.step()
     prefill_s = time.perf_counter() - t0
@@ -196,8 +212,11 @@ def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: b
     if worker is not None:  # inside mpiexec
         from mpi4py import MPI
 
+        from gyre_hpc.cells.fleet import guard_world
+
+        # An error on one rank must end both: the other would wait in a barrier forever.
         comm = MPI.COMM_WORLD.Dup()
-        result = measure(ctx, repeats, chunk_bytes, comm)
+        result = guard_world(lambda: measure(ctx, repeats, chunk_bytes, comm), "bench migrate", MPI.COMM_WORLD)
         if result is not None:
             with open(worker, "w") as f:
                 json.dump(result, f)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gyre_hpc.bench.migrate import DEFAULT_CONTEXTS, NEW_TOKENS, _engine, _prompt, _prompt_len, _request, command
+from gyre_hpc.bench.migrate import DEFAULT_CONTEXTS, NEW_TOKENS, _engine, baseline_request, command, moving_request
 
 
 def _check(result: dict, contexts: list[int], mpi: bool) -> None:
@@ -43,12 +43,18 @@ def test_bad_contexts_are_named():
 
 
 def test_every_default_context_fits_the_model():
-    """The 32K default once asked for 32768 + 8 tokens of a 32768-position model and crashed."""
+    """The 32K default once asked for 32768 + 8 tokens of a 32768-position model and crashed; then
+    the re-prefill baseline asked for 32768 + 1, and under mpiexec the other rank hung in a barrier."""
     from gyre_hpc.models.tiny_lm import build_model
 
-    engine = _engine(build_model("tiny", seed=0), "probe")
+    model = build_model("tiny", seed=0)
     for context in DEFAULT_CONTEXTS:
-        engine.submit(_request(f"c{context}", _prompt(_prompt_len(context))))   # validates, does not run
+        moving, baseline = moving_request(context), baseline_request(context)
+        assert moving.prompt_len + moving.params.max_new_tokens == context
+        assert baseline.prompt_len + baseline.params.max_new_tokens == context
+        assert baseline.prompt_ids[:-1] == moving.prompt_ids
+        for request in (moving, baseline):
+            _engine(model, "probe").submit(request)   # validates, does not run
 
 
 @pytest.mark.mpi
