@@ -112,8 +112,11 @@ def backward_packed(model: torch.nn.Module, batch: PackedBatch, weights: StepWei
             upstream.append(torch.ones_like(loss))
         if not last:
             for (k, v), (dk, dv) in zip(present, grads):
-                outputs += [k[:, :, s:e], v[:, :, s:e]]
+                # Copies of the chunk's own keys and values: views would keep every layer's
+                # whole-row concatenation (s + chunk keys) alive until the backward ends.
+                outputs += [k[:, :, s:e].clone(), v[:, :, s:e].clone()]
                 upstream += [dk[:, :, s:e], dv[:, :, s:e]]
+        del present
         torch.autograd.backward(outputs, upstream)
     return total
 
