@@ -206,3 +206,40 @@ def test_endpoint_overhead_per_call(served, capsys):
         print("\nendpoint overhead:", json.dumps(figures))
     assert session.stats.extends == 19 and session.stats.drift == 0
     assert figures["overhead_ms_p50"] < 25.0    # loose: the 2-core machine is shared; the figure is the report
+
+
+def test_parse_body_names_the_bad_field():
+    from gyre_hpc.harness.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body
+
+    ok = parse_body(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3}',
+                    ChatRequest)
+    assert ok.budget == 3 and ok.stream is False
+    for raw, schema, param, code in [
+            (b'{"model": "m", "messages": [], "max_tokens": 0}', ChatRequest, "messages", "invalid_value"),
+            (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": 0}', ChatRequest, "max_tokens",
+             "invalid_value"),
+            (b'{"model": "m", "messages": [{"role": "user"}], "n": 2}', ChatRequest, "n", "invalid_value"),
+            (b'{"model": "m", "prompt": [1, 2], "best_of": 2}', CompletionRequest, "best_of", "unknown_parameter"),
+            (b'{"model": "m", "prompt": "text"}', CompletionRequest, "prompt", "invalid_value"),
+            (b'[1]', ChatRequest, None, "invalid_json")]:
+        with pytest.raises(APIError) as exc:
+            parse_body(raw, schema)
+        assert (exc.value.status, exc.value.param, exc.value.code) == (400, param, code), raw
+        assert exc.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_registry_refuses_a_second_open_of_a_key_and_forgets_a_closed_one(tmp_path):
+    from gyre_hpc.harness.client import Completion
+
+    class Echo:      # a ModelClient that is not an engine: the registry needs none to run
+        async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
+            return Completion((), ())
+
+    reg = SessionRegistry()
+    s = reg.open("run-a", Echo(), tmp_path / "a.journal", key="k1")
+    with pytest.raises(ValueError, match="'k1' is already open"):
+        reg.open("run-b", Echo(), tmp_path / "b.journal", key="k1")
+    assert reg.get("k1") is s and reg.close("k1") is s and reg.get("k1") is None
+    assert reg.open("run-c", Echo(), tmp_path / "c.journal").key.startswith("gyre-")
+    with pytest.raises(ValueError, match="context_window=1"):
+        create_app(reg, ChatRenderer(embedded_tokenizer()), model_name=MODEL, context_window=1)

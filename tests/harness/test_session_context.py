@@ -133,3 +133,29 @@ def test_encode_splits_at_specials_and_decode_writes_them_back():
     assert ids[0] == TOK.special("<|im_start|>") and TOK.eos_id in ids
     assert R.decode(ids) == text
     assert R.encode("a" + text) == R.encode("a") + ids
+
+
+def test_render_passes_tools_and_tool_choice_to_the_template():
+    from dataclasses import replace
+
+    template = ("{% if tools %}{% for t in tools %}tool:{{ t['function']['name'] }}|{{ tool_choice }}\n{% endfor %}"
+                "{% endif %}{% for m in messages %}{{ m['role'] }}:{{ m['content'] | tojson }}\n{% endfor %}")
+    r = ChatRenderer(replace(TOK, chat_template=template))
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {}}}]
+    assert r.render([U1], add_generation_prompt=True, tools=tools, tool_choice="auto") == 'tool:bash|auto\nuser:"say hi"\n'
+    assert r.render([U1], add_generation_prompt=False) == 'user:"say hi"\n'
+
+
+def test_template_raise_exception_is_a_chat_template_error():
+    from dataclasses import replace
+
+    r = ChatRenderer(replace(TOK, chat_template="{{ raise_exception('roles must alternate') }}"))
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        r.render([U1], add_generation_prompt=True)
+
+
+def test_normalize_message_keeps_template_fields_and_joins_text_parts():
+    m = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "refusal": None}
+    assert normalize_message(m) == {"role": "user", "content": "ab"}
+    assert normalize_message({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}) == \
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}
