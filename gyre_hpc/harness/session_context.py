@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -65,6 +66,15 @@ class SessionCall:
     def seq(self) -> tuple[int, ...]:
         return self.prompt + self.output
 
+    @cached_property
+    def keys(self) -> tuple[str, ...]:
+        """Its messages as comparable strings, computed once: planning compares every call's."""
+        return tuple(_key(m) for m in self.messages)
+
+    @cached_property
+    def reply_keys(self) -> tuple[str, ...]:
+        return self.keys + (_key(self.reply),)
+
 
 @dataclass(frozen=True)
 class PromptPlan:
@@ -78,8 +88,8 @@ class PromptPlan:
     drift: int = 0           # rebuilt replies whose ids differ from the sampled ones (0 or 1)
 
 
-def _matches(request: Sequence[str], call_keys: Sequence[str]) -> bool:
-    return len(request) >= len(call_keys) and list(request[:len(call_keys)]) == list(call_keys)
+def _matches(request: tuple[str, ...], call_keys: tuple[str, ...]) -> bool:
+    return len(request) >= len(call_keys) and request[:len(call_keys)] == call_keys
 
 
 def _new_turn_ids(renderer: ChatRenderer, call: SessionCall, request: list[dict], render_kw: dict) -> list[int] | None:
@@ -103,16 +113,16 @@ def plan_prompt(renderer: ChatRenderer, calls: Sequence[SessionCall], messages: 
     request = [normalize_message(m) for m in messages]
     if not request:
         raise ValueError("messages is empty; a chat request needs at least one message")
-    keys = [_key(m) for m in request]
+    keys = tuple(_key(m) for m in request)
     render_kw = {"tools": tools, "tool_choice": tool_choice}
     for k in range(len(calls) - 1, -1, -1):
-        if keys == [_key(m) for m in calls[k].messages]:
+        if keys == calls[k].keys:
             return PromptPlan(calls[k].prompt, k, len(calls[k].prompt), "retry")
     # extend: the longest call messages + reply the request starts with, the newest of equals
     best = None
     for k in range(len(calls) - 1, -1, -1):
         call = calls[k]
-        call_keys = [_key(m) for m in call.messages] + [_key(call.reply)]
+        call_keys = call.reply_keys
         if len(keys) > len(call_keys) and _matches(keys, call_keys) and (best is None or len(call_keys) > best[1]):
             best = (k, len(call_keys))
     if best is not None:
@@ -130,11 +140,11 @@ def plan_prompt(renderer: ChatRenderer, calls: Sequence[SessionCall], messages: 
     return PromptPlan(prompt, base, shared, "render", _drift(calls, keys, request, prompt))
 
 
-def _drift(calls: Sequence[SessionCall], keys: list[str], request: list[dict], prompt: tuple[int, ...]) -> int:
+def _drift(calls: Sequence[SessionCall], keys: tuple[str, ...], request: list[dict], prompt: tuple[int, ...]) -> int:
     """1 when the request rebuilds a call's reply (that call's messages, then an assistant turn)
     and the rebuilt ids do not carry that call's prompt + sampled ids."""
     for call in reversed(calls):
         n = len(call.messages)
-        if len(request) > n and request[n]["role"] == "assistant" and _matches(keys, [_key(m) for m in call.messages]):
+        if len(request) > n and request[n]["role"] == "assistant" and _matches(keys, call.keys):
             return int(prompt[:len(call.seq)] != call.seq)
     return 0
