@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,13 +39,15 @@ class SessionStats:
     drift: int = 0            # rebuilt replies whose ids differ from the sampled ones
     overhead_s: list[float] = field(default_factory=list)   # time in the endpoint per call, engine excluded
     engine_s: list[float] = field(default_factory=list)
+    journal_s: list[float] = field(default_factory=list)    # of overhead_s: the journal's write + fsync
 
     def as_dict(self) -> dict:
-        over = self.overhead_s
+        over, journal = self.overhead_s, self.journal_s
         return {"calls": self.calls, "extends": self.extends, "branches": self.branches, "retries": self.retries,
                 "renders": self.renders, "drift": self.drift,
                 "overhead_ms_mean": 1e3 * float(np.mean(over)) if over else None,
-                "overhead_ms_max": 1e3 * float(np.max(over)) if over else None}
+                "overhead_ms_max": 1e3 * float(np.max(over)) if over else None,
+                "journal_ms_mean": 1e3 * float(np.mean(journal)) if journal else None}
 
 
 class Session:
@@ -84,7 +87,9 @@ class Session:
                                                                      policy_version=policy_version)))
 
     def _record(self, inc: CallIncrement) -> int:
+        t = time.perf_counter()
         self.journal.append(inc)
+        self.stats.journal_s.append(time.perf_counter() - t)
         self.stats.calls += 1
         return len(self.journal.log) - 1
 

@@ -187,8 +187,9 @@ def test_malformed_requests_get_openai_errors_and_break_no_other_session(served)
 
 
 def test_endpoint_overhead_per_call(served, capsys):
-    """The endpoint's own time per call (HTTP parsing, planning, journal fsync, reply), the
-    engine's excluded; printed as JSON. Target <= 5 ms."""
+    """The endpoint's own time per call inside its handler (body parsing, planning, the journal's
+    write + fsync, the reply), the engine's excluded; printed as JSON. Target <= 5 ms. The
+    fsync is the harness's own runs' cost too (a record is durable before the call is acted on)."""
     session, client = served.session("bench")
     messages = [SYS, {"role": "user", "content": "go"}]
     for i in range(20):
@@ -196,8 +197,12 @@ def test_endpoint_overhead_per_call(served, capsys):
         messages = messages + [r.choices[0].message.model_dump(), {"role": "user", "content": f"step {i}"}]
     over = np.asarray(session.stats.overhead_s) * 1e3
     engine = np.asarray(session.stats.engine_s) * 1e3
+    journal = np.asarray(session.stats.journal_s) * 1e3
+    assert journal.size == over.size and (journal <= over).all()
     figures = {"calls": int(over.size), "overhead_ms_mean": round(float(over.mean()), 3),
                "overhead_ms_p50": round(float(np.median(over)), 3), "overhead_ms_max": round(float(over.max()), 3),
+               "overhead_ms_p50_without_journal_fsync": round(float(np.median(over - journal)), 3),
+               "journal_ms_p50": round(float(np.median(journal)), 3),
                "engine_ms_mean": round(float(engine.mean()), 3),
                "overhead_share": round(float(over.sum() / (over.sum() + engine.sum())), 4),
                "final_prompt_tokens": int(load_journal(session.journal.path).calls[-1].prompt.size),
