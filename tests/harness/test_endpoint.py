@@ -248,3 +248,19 @@ def test_registry_refuses_a_second_open_of_a_key_and_forgets_a_closed_one(tmp_pa
     assert reg.open("run-c", Echo(), tmp_path / "c.journal").key.startswith("gyre-")
     with pytest.raises(ValueError, match="context_window=1"):
         create_app(reg, ChatRenderer(embedded_tokenizer()), model_name=MODEL, context_window=1)
+
+
+def test_a_failing_model_call_is_a_500_for_its_session_alone(served):
+    class Broken:
+        async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
+            raise RuntimeError("engine lost")
+
+    broken = served.registry.open("broken", Broken(), served.tmp / "broken.journal")
+    _, fine = served.session("fine")
+    r = httpx.post(served.url + "/chat/completions", json={"model": MODEL, "messages": [SYS]},
+                   headers={"Authorization": f"Bearer {broken.key}"})
+    assert r.status_code == 500
+    err = _error(r)
+    assert err["type"] == "server_error" and "engine lost" in err["message"]
+    assert len(load_journal(broken.journal.path).calls) == 0 and not broken.lock.locked()
+    assert _chat(fine, [SYS]).choices[0].finish_reason in ("stop", "length")
