@@ -159,3 +159,26 @@ def test_normalize_message_keeps_template_fields_and_joins_text_parts():
     assert normalize_message(m) == {"role": "user", "content": "ab"}
     assert normalize_message({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}) == \
         {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}
+
+
+def test_rendering_and_ids_equal_transformers_apply_chat_template(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from dataclasses import replace
+
+    # a template in the hub's style: whitespace control by trim_blocks/lstrip_blocks, tools as JSON
+    template = ("{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+                "<|im_end|>\n{% endif %}\n{% for m in messages %}\n<|im_start|>{{ m['role'] }}\n"
+                "{{ m['content'] }}<|im_end|>\n{% endfor %}\n"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = replace(TOK, chat_template=template)
+    tok.save(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tools = [{"type": "function", "function": {"name": "bash", "description": "run é", "parameters": {}}}]
+    messages = [SYS, U1, {"role": "assistant", "content": "hi there"}, U2]
+    r = ChatRenderer(tok)
+    for kw in ({}, {"tools": tools}):
+        ours = r.render(messages, add_generation_prompt=True, **kw)
+        assert ours == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        theirs = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+        theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+        assert r.encode(ours) == list(theirs)
