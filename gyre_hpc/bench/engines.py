@@ -13,6 +13,8 @@ invariant mode (``models.invariant``: bitwise logprobs in any batch, the trainer
 invariant tokens/s (the price of bitwise on-policy logprobs; target <= 1.3 on the batch case). Raw vLLM runs on the adapter's own ``LLM`` (same
 weights, same warm state) with the same sampling work (``logprobs=0``, no detokenising), and
 the prefix cache is reset before every timed run so no run is served by an earlier one.
+``--model PATH`` runs every engine on a checkpoint folder's own weights instead (e.g. SmolLM2-135M
+from ``gyre-hpc models import-gguf``); the default cases it cannot hold are left out and named.
 Each figure is the best of ``--repeats`` runs, the order of the three rotating from run to
 run (noise on a shared machine only slows a run; measured: the adapter's own Python costs
 ~0.04 ms of a 2-3 ms decode step, so run-to-run noise dominates the overhead figure).
@@ -25,8 +27,29 @@ import time
 
 import click
 
+from gyre_hpc.bench.model_option import max_position, model_option
+
 CASES = {"a_1x256+256": (1, 256, 256), "b_16x512+128": (16, 512, 128), "c_prefill_4k": (1, 4096, 1),
          "c_prefill_16k": (1, 16384, 1)}
+
+
+def select_cases(case_names: str | None, scale: float, limit: int) -> tuple[dict, dict[str, str]]:
+    """The cases to run (streams, prompt, new tokens; scaled) and the defaults left out, with why.
+
+    Why defaults are dropped but named ones refused: SmolLM2 holds 8192 positions, so its
+    default run leaves out the 16K prefill and says so, while asking for that case is an error.
+    """
+    names = case_names.split(",") if case_names else list(CASES)
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        raise click.BadParameter(f"{unknown}: valid cases are {', '.join(CASES)}", param_hint="--cases")
+    cases = {c: (s, max(2, int(p * scale)), n if n == 1 else max(2, int(n * scale)))
+             for c, (s, p, n) in CASES.items() if c in names}
+    too_long = [c for c, (_, p, n) in cases.items() if p + n > limit]
+    if too_long and case_names:
+        raise click.BadParameter(f"{too_long}: longer than the model's max_position={limit}", param_hint="--cases")
+    return ({c: v for c, v in cases.items() if c not in too_long},
+            {c: f"longer than the model's max_position={limit}" for c in too_long})
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
@@ -63,7 +86,8 @@ def _run_raw(llm, prompts, new_tokens: int) -> tuple[float, list[tuple[int, ...]
     return wall, [tuple(o.outputs[0].token_ids) for o in outs]
 
 
-def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int) -> dict:
+def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int, model_path: str | None = None) -> dict:
+    """The figures; with ``model_path`` on that checkpoint folder (its own weights in every engine)."""
     import torch
 
     from gyre_hpc.engines.torch_engine import TorchEngine
@@ -71,15 +95,23 @@ def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int) -
     from gyre_hpc.models.checkpoint import save_pretrained
     from gyre_hpc.models.decoder import build_model
 
+    from gyre_hpc.bench.model_option import describe, load_model
+
     torch.set_num_threads(1)
-    model = build_model(preset, seed=0)
+    model = load_model(model_path) if model_path else build_model(preset, seed=0)
     longest = max(p + n for _, p, n in cases.values())
-    with tempfile.TemporaryDirectory() as d:
-        save_pretrained(model, d)
+    # vLLM reserves its KV cache up front: the batch case's tokens at the model's bytes per token, and room.
+    cfg = model.config
+    kv_per_token = 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * 4
+    kv_bytes = max(512 << 20, 2 * kv_per_token * max(s * (p + n) for s, p, n in cases.values()))
+    with tempfile.TemporaryDirectory() as tmp:
+        d = model_path or tmp
+        if model_path is None:
+            save_pretrained(model, d)
         torch_engine = TorchEngine(model, name="torch", max_batch=64)
         native_engine = TorchEngine(model, name="torch_native", max_batch=64, invariant=False)
         vllm_engine = VLLMEngine(d, name="vllm", max_model_len=longest + 16, max_num_seqs=64,
-                                 kv_cache_memory_bytes=512 << 20)
+                                 kv_cache_memory_bytes=kv_bytes)
         llm = vllm_engine.llm
         warm = _prompts(2, 32, model.config.vocab_size, seed=99)
         _run_engine(torch_engine, warm, 8)
@@ -121,7 +153,8 @@ def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int) -
         vllm_engine.close()
     overheads = [c["adapter_overhead"] for c in out.values()]
     batch = out.get("b_16x512+128", {}).get("invariant_cost")
-    return {"preset": preset, "threads": 1, "repeats": repeats, "cases": out,
+    return {"preset": None if model_path else preset, "model": describe(model_path, model, preset), "threads": 1,
+            "repeats": repeats, "cases": out,
             "max_adapter_overhead": max(overheads), "target_adapter_overhead": 0.10,
             "adapter_overhead_within_target": max(overheads) <= 0.10,
             "invariant_cost_batch": batch, "target_invariant_cost_batch": 1.3,
@@ -131,23 +164,29 @@ def measure(preset: str, cases: dict[str, tuple[int, int, int]], repeats: int) -
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option("--preset", default="small", show_default=True, help="model preset (gyre_hpc.models.decoder.PRESETS)")
-@click.option("--cases", "case_names", default=",".join(CASES), show_default=True,
-              help="comma-separated subset of the cases")
+@model_option
+@click.option("--cases", "case_names", default=None,
+              help=f"comma-separated subset of the cases [default: those of {', '.join(CASES)} the model's "
+                   "positions hold]")
 @click.option("--scale", default=1.0, show_default=True, type=click.FloatRange(0.001, 1.0),
               help="multiply every token count (for a quick look; contract figures need 1.0)")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20))
-def command(as_json: bool, preset: str, case_names: str, scale: float, repeats: int) -> None:
+def command(as_json: bool, preset: str, model_path: str | None, case_names: str | None, scale: float,
+            repeats: int) -> None:
     """TorchEngine vs VLLMEngine vs raw vLLM: tokens/s and the adapter's overhead."""
+    from gyre_hpc.models.decoder import PRESETS
     from gyre_hpc.report import emit
 
-    unknown = [c for c in case_names.split(",") if c not in CASES]
-    if unknown:
-        raise click.BadParameter(f"{unknown}: valid cases are {', '.join(CASES)}", param_hint="--cases")
-    cases = {c: (s, max(2, int(p * scale)), n if n == 1 else max(2, int(n * scale)))
-             for c, (s, p, n) in CASES.items() if c in case_names.split(",")}
+    if model_path is None and preset not in PRESETS:
+        raise click.BadParameter(f"{preset!r}: valid presets are {', '.join(PRESETS)}", param_hint="--preset")
+    limit = max_position(model_path) if model_path else PRESETS[preset].max_position
+    cases, skipped = select_cases(case_names, scale, limit)
     # One OpenMP thread for vLLM's CPU backend too (contract 4), bound to one core.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     # vLLM logs to stdout by default: with --json, stdout carries the JSON object alone.
     if as_json:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    emit(measure(preset, cases, repeats), as_json)
+    result = measure(preset, cases, repeats, model_path)
+    if skipped:
+        result["cases_skipped"] = skipped
+    emit(result, as_json)

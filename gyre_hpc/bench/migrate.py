@@ -1,5 +1,6 @@
 """``gyre-hpc bench migrate``: moving a mid-decode sequence with its KV cache versus
-re-prefilling it on the destination, for 1K, 8K and 32K-token contexts on the tiny model.
+re-prefilling it on the destination, for 1K, 8K and 32K-token contexts on the tiny model
+(``--model PATH``: a checkpoint folder; the default contexts it cannot hold are left out, and said).
 
 What is timed:
 - migrate (in-process): ``kv_export`` on the source + ``kv_import`` on a second engine in the
@@ -28,6 +29,8 @@ import tempfile
 import time
 
 import click
+
+from gyre_hpc.bench.model_option import max_position, model_option
 
 DEFAULT_CONTEXTS = (1024, 8192, 32768)
 NEW_TOKENS = 8   # the moving request's budget: its prompt is the context less these, so the
@@ -109,16 +112,18 @@ def _inprocess_migrate_s(src, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(contexts: list[int], repeats: int, chunk_bytes: int, comm=None) -> dict | None:
-    """The benchmark body; with ``comm`` (2 ranks) also the MPI path. Rank 0 returns the figures."""
+def measure(contexts: list[int], repeats: int, chunk_bytes: int, comm=None, model_path: str | None = None) -> dict | None:
+    """The benchmark body; with ``comm`` (2 ranks) also the MPI path; with ``model_path`` on that
+    checkpoint folder instead of the tiny preset. Rank 0 returns the figures."""
     import torch
 
+    from gyre_hpc.bench.model_option import describe, load_model
     from gyre_hpc.engines.kv_transfer import recv_kv_state, send_kv_state
     from gyre_hpc.models.tiny_lm import build_model
 
     torch.set_num_threads(1)
     rank = comm.Get_rank() if comm is not None else 0
-    model = build_model("tiny", seed=0)
+    model = load_model(model_path) if model_path else build_model("tiny", seed=0)
     layout = _engine(model, "probe").kv_layout
     results: dict[str, dict] = {}
     for context in contexts:
@@ -166,7 +171,7 @@ def measure(contexts: list[int], repeats: int, chunk_bytes: int, comm=None) -> d
         return None
     return {
         "benchmark": "migrate",
-        "model": {"preset": "tiny", "params": model.n_params, "kv_bytes_per_token": layout.bytes_per_token},
+        "model": {**describe(model_path, model, "tiny"), "kv_bytes_per_token": layout.bytes_per_token},
         "numerics": "invariant" if _engine(model, "probe").invariant else "native",
         "prompt_tokens": {str(c): _prompt_len(c) for c in contexts},
         "baseline": "re-prefill of the same context on the destination engine (no migration)",
@@ -178,25 +183,16 @@ def measure(contexts: list[int], repeats: int, chunk_bytes: int, comm=None) -> d
     }
 
 
-def _mpi_env() -> dict:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
-    return env
+def _contexts(contexts: str | None, model_path: str | None) -> tuple[list[int], dict[str, str]]:
+    """The contexts to measure, and the defaults left out because the model cannot hold them (a
+    context named in ``--contexts`` that it cannot hold is an error instead)."""
+    from gyre_hpc.models.decoder import PRESETS
 
-
-@click.command()
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
-@click.option("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), show_default=True,
-              help="comma-separated context lengths in tokens")
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
-@click.option("--chunk-bytes", default=4 << 20, show_default=True, type=click.IntRange(1, None),
-              help="MPI message size for the KV cache")
-@click.option("--mpi/--no-mpi", default=True, show_default=True,
-              help="also time the MPI path (mpiexec -n 2); without it, in-process only")
-@click.option("--worker", type=click.Path(dir_okay=False), hidden=True)
-def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: bool, worker: str | None) -> None:
-    """KV migration of a mid-decode sequence vs re-prefill, at 1K/8K/32K tokens."""
-    from gyre_hpc.report import emit
-
+    limit, holder = ((max_position(model_path), f"the model at {model_path}") if model_path
+                     else (PRESETS["tiny"].max_position, "the tiny model"))
+    if contexts is None:
+        ctx = [c for c in DEFAULT_CONTEXTS if c <= limit]
+        return ctx, {str(c): f"{holder} holds at most {limit} tokens" for c in DEFAULT_CONTEXTS if c > limit}
     try:
         ctx = [int(c) for c in contexts.split(",") if c.strip()]
     except ValueError:
@@ -204,11 +200,34 @@ def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: b
     if not ctx or min(ctx) < NEW_TOKENS + 2:
         raise click.BadParameter(f"{contexts!r}: each context must be >= {NEW_TOKENS + 2} tokens (a prompt and "
                                  f"{NEW_TOKENS} new)", param_hint="--contexts")
-    from gyre_hpc.models.decoder import PRESETS
+    if max(ctx) > limit:
+        raise click.BadParameter(f"{contexts!r}: {holder} holds at most {limit} tokens", param_hint="--contexts")
+    return ctx, {}
 
-    if max(ctx) > PRESETS["tiny"].max_position:
-        raise click.BadParameter(f"{contexts!r}: the tiny model holds at most {PRESETS['tiny'].max_position} "
-                                 "tokens", param_hint="--contexts")
+
+def _mpi_env() -> dict:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    return env
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--contexts", default=None,
+              help=f"comma-separated context lengths in tokens [default: those of {','.join(map(str, DEFAULT_CONTEXTS))} "
+                   "the model's positions hold]")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option("--chunk-bytes", default=4 << 20, show_default=True, type=click.IntRange(1, None),
+              help="MPI message size for the KV cache")
+@click.option("--mpi/--no-mpi", default=True, show_default=True,
+              help="also time the MPI path (mpiexec -n 2); without it, in-process only")
+@model_option
+@click.option("--worker", type=click.Path(dir_okay=False), hidden=True)
+def command(as_json: bool, contexts: str | None, repeats: int, chunk_bytes: int, mpi: bool, model_path: str | None,
+            worker: str | None) -> None:
+    """KV migration of a mid-decode sequence vs re-prefill, at 1K/8K/32K tokens."""
+    from gyre_hpc.report import emit
+
+    ctx, skipped = _contexts(contexts, model_path)
     if worker is not None:  # inside mpiexec
         from mpi4py import MPI
 
@@ -216,7 +235,8 @@ def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: b
 
         # An error on one rank must end both: the other would wait in a barrier forever.
         comm = MPI.COMM_WORLD.Dup()
-        result = guard_world(lambda: measure(ctx, repeats, chunk_bytes, comm), "bench migrate", MPI.COMM_WORLD)
+        result = guard_world(lambda: measure(ctx, repeats, chunk_bytes, comm, model_path), "bench migrate",
+                             MPI.COMM_WORLD)
         if result is not None:
             with open(worker, "w") as f:
                 json.dump(result, f)
@@ -229,7 +249,8 @@ def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: b
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "migrate.json")
             cmd = ["mpiexec", "-n", "2", "--oversubscribe", sys.executable, "-m", "gyre_hpc.bench.migrate",
-                   "--worker", out, "--contexts", contexts, "--repeats", str(repeats), "--chunk-bytes", str(chunk_bytes)]
+                   "--worker", out, "--contexts", ",".join(map(str, ctx)), "--repeats", str(repeats),
+                   "--chunk-bytes", str(chunk_bytes)] + (["--model", model_path] if model_path else [])
             proc = subprocess.run(cmd, env=_mpi_env(), capture_output=True, text=True)
             if proc.returncode == 0 and os.path.exists(out):
                 with open(out) as f:
@@ -238,9 +259,11 @@ def command(as_json: bool, contexts: str, repeats: int, chunk_bytes: int, mpi: b
                 why_not = (f"mpiexec failed (rc={proc.returncode}): "
                            f"{(proc.stderr.strip() or proc.stdout.strip())[-800:]}")
     if result is None:
-        result = measure(ctx, repeats, chunk_bytes)
+        result = measure(ctx, repeats, chunk_bytes, model_path=model_path)
         if why_not:
             result["mpi_skipped"] = why_not
+    if skipped:
+        result["contexts_skipped"] = skipped
     emit(result, as_json)
 
 

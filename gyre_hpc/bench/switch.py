@@ -2,7 +2,9 @@
 
 Runs the real fleet (scripted policy: every elastic cell flips every step) with a state
 dict of ``--state-mb`` and reports the median rollout->train and train->rollout switch
-times and the weight-transfer rate of rollout->train flips. Also the engines' weight sync
+times and the weight-transfer rate of rollout->train flips (``--model PATH``: as many bytes as
+that checkpoint's parameters in float32, e.g. 513 MiB for SmolLM2-135M, carried by the substrate's
+ballast: the bytes and the transfer path are the real width's, the tensor shapes are not). Also the engines' weight sync
 (what follows every optimizer step: the core leader to every engine, ``WeightsChannel``)
 against one raw ``Bcast`` of the same bytes over the same ranks. Baseline, in the same MPI
 world just before the fleet starts: one plain ``Send``/``Recv`` of the same number of
@@ -27,6 +29,7 @@ from pathlib import Path
 import click
 import yaml
 
+from gyre_hpc.bench import model_option
 from gyre_hpc.report import emit
 
 
@@ -221,12 +224,14 @@ def usable_slurm_nodes() -> list[str]:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option("--state-mb", type=float, default=100.0, show_default=True, help="state dict size moved per flip")
+@model_option.model_option
 @click.option("--flips", type=int, default=5, show_default=True, help="flips per direction (at least)")
 @click.option("--launcher", type=click.Choice(["local", "slurm"]), default="local", show_default=True)
 @click.option("--timeout", "timeout_s", type=float, default=900.0, show_default=True)
 @click.option("--keep", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="run directory to keep (default: a temporary one)")
-def command(as_json: bool, state_mb: float, flips: int, launcher: str, timeout_s: float, keep: Path | None) -> None:
+def command(as_json: bool, state_mb: float, model_path: str | None, flips: int, launcher: str, timeout_s: float,
+            keep: Path | None) -> None:
     """Median role-switch times and weight MB/s vs one raw MPI Send/Recv of the same bytes."""
     from gyre_hpc.config import build_config
     from gyre_hpc.jobs.launchers import LocalLauncher, SlurmLauncher
@@ -234,6 +239,12 @@ def command(as_json: bool, state_mb: float, flips: int, launcher: str, timeout_s
 
     if flips < 1:
         raise click.BadParameter("--flips must be at least 1")
+    model = None
+    if model_path is not None:
+        # What a flip and a weight sync cost depends on the bytes moved: the checkpoint's, in
+        # float32 as the trainer and engines hold them (the substrate's ballast carries them).
+        model = model_option.meta_model(model_path)
+        state_mb = model.n_params * 4 / (1 << 20)
     with tempfile.TemporaryDirectory(prefix="gyre-bench-switch-") as tmp:
         run_dir = (keep or Path(tmp) / "run").resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -257,6 +268,9 @@ def command(as_json: bool, state_mb: float, flips: int, launcher: str, timeout_s
             raise click.ClickException(f"the fleet exited {rc}; log {log}:\n{tail}")
         result = summarize(json.loads(out.read_text()), state_mb, launcher)
         result["command"] = " ".join(handle.command)
+        if model is not None:
+            result["model"] = {**model_option.describe(model_path, model, "substrate"),
+                               "moved_as": "substrate ballast of the checkpoint's float32 bytes"}
     emit(result, as_json)
 
 
