@@ -109,3 +109,27 @@ def parse_action(output: Sequence[int], tokenizer: ChatTokenizer | None = None) 
     if action is not None:
         return action
     return Action("answer", (tok.decode(ids, skip_special_tokens=True).encode("utf-8"),))
+
+
+def split_tool_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """An output's text (specials as written) as the OpenAI endpoint replies it: the text
+    outside well-formed ``<tool_call>`` blocks, and each block's (name, arguments as a JSON
+    string). Any name is a call here (the scaffold declared its tools); a block that is not a
+    JSON object with a string name, or that the budget cut before ``</tool_call>``, stays text."""
+    content, calls, at = [], [], 0
+    while (start := text.find(TOOL_CALL_START, at)) >= 0:
+        end = text.find(TOOL_CALL_END, start)
+        if end < 0:
+            break
+        call = _loads(text[start + len(TOOL_CALL_START):end].strip())
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):
+            arguments = _loads(arguments)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            content.append(text[at:end + len(TOOL_CALL_END)])
+        else:
+            content.append(text[at:start])
+            calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        at = end + len(TOOL_CALL_END)
+    content.append(text[at:])
+    return "".join(content).strip() if calls else "".join(content), calls

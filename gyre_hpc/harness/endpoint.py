@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gyre_hpc.harness.actions import split_tool_calls
 from gyre_hpc.harness.chat_render import ChatRenderer, ChatTemplateError
 from gyre_hpc.harness.endpoint_sessions import Session, SessionRegistry
 from gyre_hpc.harness.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body
@@ -107,18 +108,25 @@ def create_app(registry: SessionRegistry, renderer: ChatRenderer, *, model_name:
             comp, engine_s = await _generate(session, plan.prompt, budget)
             output = tuple(int(t) for t in comp.output)
             content = renderer.decode(output[:-1] if output and output[-1] == eos else output)
-            reply = {"role": "assistant", "content": content}
+            reply, tool_calls = {"role": "assistant", "content": content}, []
+            if body.tools:
+                content, parsed = split_tool_calls(content)
+                tool_calls = [{"id": f"call_{session.run_id}_{session.stats.calls}_{i}", "type": "function",
+                               "function": {"name": name, "arguments": arguments}}
+                              for i, (name, arguments) in enumerate(parsed)]
+                if tool_calls:
+                    reply = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
             call = SessionCall(tuple(normalize_message(m) for m in body.messages), normalize_message(reply),
                                plan.prompt, output)
             k = session.record_chat(plan, call, comp.logprobs, comp.policy_version)
-        finish = _finish_reason(output, stop, budget)
+        finish = "tool_calls" if tool_calls else _finish_reason(output, stop, budget)
         cid, created = f"chatcmpl-{session.run_id}-{k}", int(time.time())
         usage = {"prompt_tokens": len(plan.prompt), "completion_tokens": len(output),
                  "total_tokens": len(plan.prompt) + len(output)}
         head = {"id": cid, "created": created, "model": body.model, "system_fingerprint": None}
         if body.stream:
             chunks = _stream_chunks(renderer, head, output, comp.logprobs, content, finish, body.logprobs,
-                                    usage if (body.stream_options or {}).get("include_usage") else None)
+                                    usage if (body.stream_options or {}).get("include_usage") else None, tool_calls)
             session.stats.engine_s.append(engine_s)
             session.stats.overhead_s.append(time.perf_counter() - t0 - engine_s)
             return StreamingResponse(iter(chunks), media_type="text/event-stream")
@@ -171,14 +179,25 @@ def _token_logprobs(renderer: ChatRenderer, output: Sequence[int], logprobs: Seq
 
 
 def _stream_chunks(renderer: ChatRenderer, head: dict, output: Sequence[int], logprobs: Sequence[float], content: str,
-                   finish: str, with_logprobs: bool, usage: dict | None) -> list[str]:
+                   finish: str, with_logprobs: bool, usage: dict | None, tool_calls: list[dict]) -> list[str]:
     """SSE events of a finished call, one per sampled token. Each token's text is the growth of
     the content's decoded prefix (a token that ends inside a UTF-8 character adds nothing until
-    the character completes), so the deltas join to exactly the non-streamed content."""
+    the character completes), so the deltas join to exactly the non-streamed content. A reply
+    with tool calls streams its content whole, then its calls, as OpenAI's deltas do."""
     def event(choice: dict, **extra) -> str:
         return "data: " + json.dumps({**head, "object": "chat.completion.chunk", "choices": [choice], **extra}) + "\n\n"
 
     events = [event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+    if tool_calls:
+        entries = _token_logprobs(renderer, output, logprobs) if with_logprobs else None
+        events.append(event({"index": 0, "delta": {"content": content or None,
+                                                   "tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]},
+                             "logprobs": {"content": entries} if entries else None, "finish_reason": None}))
+        events.append(event({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}))
+        if usage is not None:
+            events.append("data: " + json.dumps({**head, "object": "chat.completion.chunk", "choices": [],
+                                                 "usage": usage}) + "\n\n")
+        return events + ["data: [DONE]\n\n"]
     emitted = 0
     entries = _token_logprobs(renderer, output, logprobs) if with_logprobs else None
     for i in range(len(output)):

@@ -10,7 +10,8 @@ against them, first match wins:
 - ``retry``: the request is a call's messages again: the same prompt, the same ids.
 - ``extend``: the request is some call's messages + that call's reply + new turns. The prompt is
   that call's prompt + its exact sampled ids + the ids of only the new text (the end of the
-  assistant turn the model did not write, and the new turns). Of the last call: the common case;
+  assistant turn the model did not write, and the new turns), however the template would
+  re-render the reply (tool calls as the template's JSON). Of the last call: the common case;
   of an earlier one (the scaffold dropped a middle turn): a branch from that call's end, still
   with exact tokens.
 - ``render``: anything else (the scaffold edited a reply, compressed, or the template is not
@@ -102,9 +103,18 @@ def _new_turn_ids(renderer: ChatRenderer, call: SessionCall, request: list[dict]
     if not (turn_text.startswith(prompt_text) and full_text.startswith(turn_text)):
         return None
     reply_text = turn_text[len(prompt_text):]
-    if not reply_text.startswith(sampled):
-        return None
-    return renderer.encode(reply_text[len(sampled):] + full_text[len(turn_text):])
+    if reply_text.startswith(sampled):
+        closure = reply_text[len(sampled):]
+    else:
+        # The template writes the reply otherwise than the model did (tool calls as its own
+        # JSON): the reply is the one returned, so its ids are the sampled ones, and what
+        # closes the turn is what the template puts after its end-of-turn token.
+        eos = renderer.tokenizer.eos_token
+        end = reply_text.rfind(eos)
+        if end < 0:
+            return None
+        closure = ("" if sampled.endswith(eos) else eos) + reply_text[end + len(eos):]
+    return renderer.encode(closure + full_text[len(turn_text):])
 
 
 def plan_prompt(renderer: ChatRenderer, calls: Sequence[SessionCall], messages: Sequence[dict], *,

@@ -264,3 +264,57 @@ def test_a_failing_model_call_is_a_500_for_its_session_alone(served):
     assert err["type"] == "server_error" and "engine lost" in err["message"]
     assert len(load_journal(broken.journal.path).calls) == 0 and not broken.lock.locked()
     assert _chat(fine, [SYS]).choices[0].finish_reason in ("stop", "length")
+
+
+def test_split_tool_calls_keeps_malformed_blocks_as_text():
+    from gyre_hpc.harness.actions import split_tool_calls
+
+    call = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+    assert split_tool_calls(f"let me look {call}") == ("let me look", [("bash", '{"command": "ls"}')])
+    assert split_tool_calls('<tool_call>{"name": "a", "arguments": "{\\"k\\": 1}"}</tool_call>') == ("", [("a", '{"k": 1}')])
+    assert split_tool_calls("x <tool_call>{bad}</tool_call> y") == ("x <tool_call>{bad}</tool_call> y", [])
+    assert split_tool_calls('<tool_call>{"name": "cut"') == ('<tool_call>{"name": "cut"', [])
+
+
+class ToolCaller:
+    """A model client that always answers with one tool call (the tiny model rarely writes a
+    well-formed one): what the endpoint does with calls is under test, not the model."""
+
+    def __init__(self):
+        from gyre_hpc.harness.actions import marker_ids
+
+        tok = embedded_tokenizer()
+        self.output = tuple(marker_ids(tok, "<tool_call>") + tok.encode('{"name": "bash", "arguments": {"command": "ls"}}')
+                            + marker_ids(tok, "</tool_call>"))
+
+    async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
+        from gyre_hpc.harness.client import Completion
+
+        return Completion(self.output, tuple(-0.5 for _ in self.output))
+
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
+                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+
+
+def test_tool_calls_are_replied_as_openai_tool_calls_and_the_echo_extends(served):
+    s = served.registry.open("tools", ToolCaller(), served.tmp / "tools.journal")
+    client = openai.OpenAI(base_url=served.url, api_key=s.key, max_retries=0)
+    messages = [SYS, {"role": "user", "content": "list the files"}]
+    r = _chat(client, messages, tools=TOOLS, tool_choice="auto")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("bash", {"command": "ls"})
+    streamed = [c for c in _chat(client, messages, tools=TOOLS, stream=True)]      # a retry, streamed
+    deltas = [t for c in streamed if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "tool_calls"
+    echoed = choice.message.model_dump()
+    echoed["tool_calls"][0]["id"] = call.id
+    _chat(client, messages + [echoed, {"role": "tool", "tool_call_id": call.id, "content": "a.txt"}], tools=TOOLS)
+    journal = load_journal(s.journal.path)
+    inc = journal.calls.increments[2]
+    assert (inc.base, inc.shared) == (0, journal.calls.seq_len(0))
+    assert int(inc.new[0]) == embedded_tokenizer().eos_id       # the turn's end, after the sampled </tool_call>
+    assert (s.stats.retries, s.stats.extends, s.stats.drift) == (1, 0, 0) and s.stats.branches == 1

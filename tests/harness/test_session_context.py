@@ -182,3 +182,19 @@ def test_rendering_and_ids_equal_transformers_apply_chat_template(tmp_path):
         theirs = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
         assert r.encode(ours) == list(theirs)
+
+
+def test_reply_with_tool_calls_extends_with_the_sampled_call_then_the_end_of_turn():
+    from gyre_hpc.harness.actions import format_action
+
+    out = tuple(format_action("exec", "ls"))        # stops at </tool_call>: no <|im_end|> sampled
+    c0 = SessionCall(tuple(normalize_message(m) for m in (SYS, U1)),
+                     normalize_message({"role": "assistant", "content": None,
+                                        "tool_calls": [{"id": "c0", "type": "function",
+                                                        "function": {"name": "exec", "arguments": '{"command": "ls"}'}}]}),
+                     plan_prompt(R, [], [SYS, U1]).prompt, out)
+    tool = {"role": "tool", "tool_call_id": "c0", "content": "a.txt"}
+    plan = plan_prompt(R, [c0], [SYS, U1, {**c0.reply, "content": None}, tool])
+    tail = R.encode("<|im_end|>\n<|im_start|>user\n<tool_response>\na.txt\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert plan == PromptPlan(c0.seq + tuple(tail), 0, len(c0.seq), "extend", 0)
