@@ -197,6 +197,10 @@ class RolloutConfig(_Section):
     # model-written commands with rlimits only instead of refusing the run. Weaker: a setsid
     # leftover can outlive its wall clock and the command sees the host's files.
     allow_unconfined: bool = False
+    # A resumed run restores its workspace from the latest snapshot and makes the tool effects
+    # of the calls after it again (harness.resume): at most this many calls' effects redone.
+    snapshot_every: int = Field(8, ge=1, le=1 << 20, description="snapshot a run's workspace after every this "
+                                                                 "many model calls (harness.snapshot)")
 
 
 class WarmstartConfig(_Section):

@@ -177,3 +177,10 @@ def test_the_workload_registry_and_the_workload_field_name_the_same_workloads():
     for name, entry in WORKLOADS.items():   # entry points are started as processes, never imported
         assert entry.fleet[0] == "-m" and entry.fleet[1].startswith("gyre_hpc."), name
         assert entry.preflight is None or entry.preflight[0] == "-m", name
+
+
+def test_snapshot_every_defaults_to_8_and_refuses_zero():
+    assert build_config().rollout.snapshot_every == 8
+    assert build_config(overrides=["rollout.snapshot_every=32"]).rollout.snapshot_every == 32
+    with pytest.raises(ConfigError, match=r"rollout\.snapshot_every"):
+        build_config(overrides=["rollout.snapshot_every=0"])
