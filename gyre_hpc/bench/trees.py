@@ -15,6 +15,8 @@ path (the first call whose path holds its node), weighted as part of its run.
 Each variant runs in a fresh spawned process (one torch thread) so its peak memory is its
 own: peak RSS (``ru_maxrss``) minus RSS just before the step, i.e. what forward+backward
 of the whole step added on top of model and data.
+
+``--model PATH``: the step on a checkpoint folder's model (e.g. SmolLM2-135M) instead of the preset.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import time
 import click
 import numpy as np
 
+from gyre_hpc.bench.model_option import model_option
 from gyre_hpc.report import emit
 
 
@@ -100,7 +103,7 @@ def _per_path(runs, trees):
 
 
 def _measure(variant: str, n_runs: int, n_calls: int, seed: int, preset: str, row_tokens: int, queue,
-             from_run: str | None = None, n_trees: int = 16) -> None:
+             from_run: str | None = None, n_trees: int = 16, model_path: str | None = None) -> None:
     """Child process: build the data, then time one full step (forward+backward, all rows)."""
     import torch
 
@@ -120,9 +123,15 @@ def _measure(variant: str, n_runs: int, n_calls: int, seed: int, preset: str, ro
             units, weights = _per_path(runs, trees)
     rows = pack(units, row_tokens)
     batches = [collate([row]) for row in rows]
-    model = build_model(preset, seed=seed)
+    if model_path is not None:
+        from gyre_hpc.bench.model_option import load_model
+
+        model = load_model(model_path)
+    else:
+        model = build_model(preset, seed=seed)
     if from_run is not None and int(max(int(u.tokens.max()) for u in units)) >= model.config.vocab_size:
-        raise click.ClickException(f"bench trees --from {from_run}: token ids exceed preset {preset!r}'s vocabulary")
+        raise click.ClickException(f"bench trees --from {from_run}: token ids exceed "
+                                   f"{model_path or 'preset ' + repr(preset)}'s vocabulary")
     rss_before = _rss_bytes()
     t0 = time.perf_counter()
     loss = 0.0
@@ -160,6 +169,7 @@ def _in_child(variant: str, **kwargs) -> dict:
 @click.option("--runs", "n_runs", default=2, show_default=True, help="runs in the step (one task group)")
 @click.option("--calls", "n_calls", default=200, show_default=True, help="model calls per run")
 @click.option("--preset", default="tiny", show_default=True, help="model preset (gyre_hpc.models.tiny_lm.PRESETS)")
+@model_option
 @click.option("--row-tokens", default=4096, show_default=True, help="tokens per packed row (micro-batch)")
 @click.option("--repeats", default=2, show_default=True,
               help="measure each variant this many times, interleaved; the fastest counts (shared CPUs are noisy)")
@@ -167,8 +177,8 @@ def _in_child(variant: str, **kwargs) -> dict:
 @click.option("--from", "from_run", type=click.Path(file_okay=False), default=None,
               help="measure on this run directory's trees.zarr instead of synthetic runs")
 @click.option("--trees", "n_trees", default=16, show_default=True, help="with --from: the first N committed trees")
-def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: int, repeats: int, seed: int,
-            from_run: str | None, n_trees: int) -> None:
+def command(as_json: bool, n_runs: int, n_calls: int, preset: str, model_path: str | None, row_tokens: int,
+            repeats: int, seed: int, from_run: str | None, n_trees: int) -> None:
     """Tokens, step time and peak memory: tree training vs per-path training."""
     if from_run is not None:
         trees = _store_trees(from_run, n_trees)
@@ -179,7 +189,7 @@ def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: i
         expanded = sum(c.prompt.size + c.output.size for r in runs for c in r.journal)
     in_tree = sum(t.n_tokens for t in trees)
     kwargs = dict(n_runs=n_runs, n_calls=int(n_calls), seed=seed, preset=preset, row_tokens=row_tokens,
-                  from_run=from_run, n_trees=n_trees)
+                  from_run=from_run, n_trees=n_trees, model_path=model_path)
     if n_runs < 2:
         raise click.BadParameter(
             "needs >= 2 runs: one run alone has zero group-normalised advantage", param_hint="--runs")
@@ -192,7 +202,7 @@ def command(as_json: bool, n_runs: int, n_calls: int, preset: str, row_tokens: i
     per_path, tree = (min(measured[v], key=lambda m: m["step_s"]) for v in ("per_path", "tree"))
     emit({
         "workload": {
-            "runs": n_runs, "calls_per_run": n_calls, "model": preset, "row_tokens": row_tokens, "repeats": repeats,
+            "runs": n_runs, "calls_per_run": n_calls, "model": model_path or preset, "row_tokens": row_tokens, "repeats": repeats,
             "generator": (f"the first {n_runs} trees of {from_run}/trees.zarr" if from_run else
                           "gyre_hpc.trees.synthetic defaults (compressions, sub-agents, retries)"),
         },

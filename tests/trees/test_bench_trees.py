@@ -36,3 +36,26 @@ def test_bench_prints_json_with_baseline_and_ratios():
 def test_bench_refuses_a_single_run():
     result = CliRunner().invoke(command, ["--runs", "1"])
     assert result.exit_code != 0 and "--runs" in result.output
+
+
+def test_bench_trains_the_checkpoint_named_by_model(tmp_path):
+    """--model's weights are the ones trained: a checkpoint of the preset at the bench's seed
+    gives the preset's loss and gradient to the bit, one at another seed does not."""
+    import queue
+
+    from gyre_hpc.bench.trees import _measure
+    from gyre_hpc.models.checkpoint import save_pretrained
+    from gyre_hpc.models.tiny_lm import build_model
+
+    def measured(model_path):
+        out = queue.Queue()
+        _measure("tree", n_runs=2, n_calls=6, seed=3, preset="tiny", row_tokens=2048, queue=out,
+                 model_path=model_path)
+        got = out.get()
+        return got["loss"], got["grad_norm"]
+
+    for seed in (3, 4):
+        save_pretrained(build_model("tiny", seed=seed), tmp_path / f"seed{seed}")
+    preset = measured(None)
+    assert measured(str(tmp_path / "seed3")) == preset
+    assert measured(str(tmp_path / "seed4")) != preset
