@@ -69,6 +69,24 @@ def test_bench_switch_cli_prints_json_with_baseline_and_ratio(tmp_path):
         sync["MBps"] / sync["raw_bcast"]["MBps"])
 
 
+@pytest.mark.mpi
+@pytest.mark.slow   # one fleet launch
+def test_bench_switch_with_model_moves_the_checkpoints_float32_bytes(tmp_path):
+    from gyre_hpc.models.checkpoint import save_pretrained
+    from gyre_hpc.models.decoder import build_model
+
+    model = build_model("small", seed=0)
+    save_pretrained(model, tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", "from gyre_hpc.cli import main; main()", "bench", "switch",
+                           "--json", "--model", str(tmp_path / "ckpt"), "--flips", "1"],
+                          capture_output=True, text=True, timeout=300, env=mpi_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["state_mb"] == pytest.approx(model.n_params * 4 / (1 << 20))
+    assert out["model"]["params"] == model.n_params and out["model"]["weights"] == "checkpoint ckpt"
+    assert out["weight_transfer_MBps"]["bytes_per_flip"] >= model.n_params * 4
+
+
 @pytest.mark.slurm
 @pytest.mark.slow   # one srun het step over the virtual nodes
 def test_bench_switch_runs_as_one_srun_pmix_world_across_virtual_nodes(tmp_path):
