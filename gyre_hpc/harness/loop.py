@@ -25,6 +25,11 @@ from the task's files and the recorded outputs are fed back through the same too
 instead of calling the model; the first prompt that differs from the record (a tool that
 is not deterministic) abandons the replay and restarts the run cleanly (new journal,
 fresh workspace). The wall clock restarts on resume.
+
+Snapshots: given a ``SnapshotStore``, the workspace is saved as call k-1 left it just before
+a new call k whenever ``snapshot_due(k - 1, snapshot_every)``, for ``resume.restore_workspace``
+(the latest snapshot plus the effects of the journaled calls after it). This loop's own
+resume above does not use them yet: it still rebuilds the workspace from the task's files.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from gyre_hpc.harness.client import Completion, ModelClient
 from gyre_hpc.harness.confine import Limits
 from gyre_hpc.harness.context import TokenContext
 from gyre_hpc.harness.journal import JournalState, JournalWriter, load_journal
+from gyre_hpc.harness.snapshot import SnapshotError, SnapshotStore, snapshot_due
 from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
 from gyre_hpc.harness.tokenizer import ChatFormat, truncate_utf8
 from gyre_hpc.harness.tools import ToolError, Workspace
@@ -119,8 +125,15 @@ class AgentRun:
 
     def __init__(self, task: Task, workspace: str | Path, client: ModelClient, journal_path: str | Path,
                  cfg: HarnessConfig = HarnessConfig(), run_id: str = "run",
-                 tokenizer: ChatTokenizer | None = None) -> None:
+                 tokenizer: ChatTokenizer | None = None, snapshots: SnapshotStore | None = None,
+                 snapshot_every: int = 8) -> None:
         self.task, self.client, self.cfg, self.run_id = task, client, cfg, run_id
+        # The workspace saved after every ``snapshot_every`` calls (rollout.snapshot_every), for
+        # ``harness.resume``; not in HarnessConfig, whose repr keys the warm-start cache.
+        if snapshot_every <= 0:
+            raise ValueError(f"AgentRun snapshot_every={snapshot_every} must be > 0")
+        self.snapshots, self.snapshot_every = snapshots, snapshot_every
+        self.snapshots_refused = 0
         # The policy's own tokenizer (a checkpoint brings one); the embedded default otherwise.
         self.tokenizer = tokenizer or embedded_tokenizer()
         self.chat = ChatFormat(self.tokenizer)
@@ -168,6 +181,8 @@ class AgentRun:
                 f"workspace {self.workspace_path} is not empty and has no journal at {self.journal_path}: "
                 f"refusing to overwrite files this run did not create")
         self.task.materialize(self.workspace_path)
+        if state is None and self.snapshots is not None:
+            self.snapshots.drop_after(-1)    # a fresh start: an earlier attempt's snapshots are not of this run
         self.ws = Workspace(self.workspace_path, self.cfg.command_limits)
         self.replay = state.calls if state is not None else CallLog()
         self.writer = JournalWriter.reopen(state) if state is not None else \
@@ -220,6 +235,8 @@ class AgentRun:
             comp = Completion(tuple(rec.output.tolist()), tuple(rec.logprobs.tolist()), rec.policy_version)
             self.calls.append(rec)
             return comp
+        if self.snapshots is not None and k > 0 and snapshot_due(k - 1, self.snapshot_every):
+            await self._snapshot(k - 1)
         try:
             comp = await asyncio.wait_for(self.client.complete(prompt.tolist(), self.cfg.max_new_tokens, self.chat.stop_ids(),
                                                                agent=agent), remaining)
@@ -231,6 +248,15 @@ class AgentRun:
         self.writer.append(call)
         self.calls.append(call)
         return comp
+
+    async def _snapshot(self, call: int) -> None:
+        """Save the workspace as call ``call`` left it. A workspace the store refuses (a huge
+        sparse file, a tree too deep) costs the run nothing but this snapshot: a resume falls
+        back to an earlier one."""
+        try:
+            await asyncio.to_thread(self.snapshots.snapshot, self.workspace_path, call)
+        except SnapshotError:
+            self.snapshots_refused += 1
 
     async def _compress(self, context: TokenContext, intro: list[int], agent: str) -> TokenContext:
         base = context.prefix(len(context) - len(self.gen))   # the context without its open assistant turn

@@ -141,6 +141,17 @@ class SnapshotStore:
             raise SnapshotError(f"no snapshot of call {call} in {self.root} (there are: {self.calls()})") from None
         return Manifest.from_json(text, p)
 
+    def drop_after(self, call: int) -> list[int]:
+        """Remove the snapshots of calls after ``call`` (a run started again from its first
+        call must not resume into an earlier attempt's workspace); the calls removed. Blobs
+        stay: content-named, they are right for whoever names them."""
+        gone = [c for c in self.calls() if c > call]
+        for c in gone:
+            self.manifest_path(c).unlink(missing_ok=True)
+        if gone and self.durable:
+            fsio.sync_path(self.root / "snapshots")
+        return gone
+
     def blob_bytes(self) -> int:
         return sum(p.stat().st_size for p in (self.root / "blobs").glob("*/*") if not fsio.is_temp(p.name))
 

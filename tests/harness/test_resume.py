@@ -13,7 +13,7 @@ from gyre_hpc.harness.journal import load_journal
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig
 from gyre_hpc.harness.repo_teacher import RepoTeacher
 from gyre_hpc.harness.resume import restore_workspace
-from gyre_hpc.harness.snapshot import SnapshotStore, snapshot_due
+from gyre_hpc.harness.snapshot import SnapshotStore
 from gyre_hpc.harness.tasks import Task, TaskTest, load_suite
 from gyre_hpc.harness.tokenizer import encode
 from gyre_hpc.models.tokenizer import embedded_tokenizer
@@ -23,18 +23,14 @@ class Interrupted(Exception):
     """The fleet died: the client stops answering at a given call."""
 
 
-class SnapshottingClient:
-    """Wraps a client: before call k it snapshots the workspace as call k-1 left it (the
-    harness loop's hook point), and at call ``stop_at`` it raises, as a killed fleet would."""
+class StopAt:
+    """Wraps a client: at call ``stop_at`` it raises, as a killed fleet would."""
 
-    def __init__(self, inner, workspace: Path, store: SnapshotStore, every: int, stop_at: int | None = None):
-        self.inner, self.workspace, self.store, self.every, self.stop_at = inner, workspace, store, every, stop_at
-        self.k = 0
+    def __init__(self, inner, stop_at: int):
+        self.inner, self.stop_at, self.k = inner, stop_at, 0
 
     async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
         k, self.k = self.k, self.k + 1
-        if k > 0 and snapshot_due(k - 1, self.every):
-            self.store.snapshot(self.workspace, k - 1)
         if k == self.stop_at:
             raise Interrupted(f"call {k}")
         return await self.inner.complete(prompt, max_new_tokens, stop, agent=agent)
@@ -86,17 +82,19 @@ OUTPUTS = [
 ]
 
 
-def _run(tmp_path: Path, client, name: str, task: Task, cfg: HarnessConfig = HarnessConfig()):
+def _run(tmp_path: Path, client, name: str, task: Task, cfg: HarnessConfig = HarnessConfig(), **snapshots):
     ws = tmp_path / name
-    result = asyncio.run(AgentRun(task, ws, client, tmp_path / f"{name}.journal", cfg, run_id=name).run())
+    result = asyncio.run(AgentRun(task, ws, client, tmp_path / f"{name}.journal", cfg, run_id=name, **snapshots).run())
     return ws, result
 
 
 def test_snapshot_then_replayed_effects_equal_the_interrupted_workspace(tmp_path):
     store = SnapshotStore(tmp_path / "store", durable=False)
     ws = tmp_path / "run"
+    (tmp_path / "earlier").mkdir()
+    store.snapshot(tmp_path / "earlier", 99)     # left by an earlier attempt: a fresh start drops it
     stop = 10    # calls 0..9 journaled and acted on; the fleet dies before call 10 (the finish)
-    _, result = _run(tmp_path, SnapshottingClient(Scripted(OUTPUTS), ws, store, every=4, stop_at=stop), "run", EFFECTS)
+    _, result = _run(tmp_path, StopAt(Scripted(OUTPUTS), stop), "run", EFFECTS, snapshots=store, snapshot_every=4)
     assert result.status == "failed" and "Interrupted" in result.error and len(result.calls) == stop
     assert store.calls() == [3, 7]
     left = tree(ws)
@@ -131,8 +129,8 @@ def test_resumed_xlong_mini_workspace_equals_the_uninterrupted_runs(tmp_path):
     cut = n // 2 + 3
     store = SnapshotStore(tmp_path / "store", durable=False)
     ws = tmp_path / "cut"
-    _, part = _run(tmp_path, SnapshottingClient(RepoTeacher(task, seed=0), ws, store, every=8, stop_at=cut), "cut",
-                   task, cfg)
+    _, part = _run(tmp_path, StopAt(RepoTeacher(task, seed=0), cut), "cut", task, cfg, snapshots=store,
+                   snapshot_every=8)
     assert len(part.calls) == cut and part.status == "failed"
     state = load_journal(tmp_path / "cut.journal")
     # The cut run made the same calls as the whole one up to the cut.
@@ -142,3 +140,14 @@ def test_resumed_xlong_mini_workspace_equals_the_uninterrupted_runs(tmp_path):
     print(f'xm-p2: {n} calls, cut at {cut}, snapshot {done.snapshot_call}, replayed {done.replayed}')
     assert done.replayed and done.replayed[-1] <= cut - 1
     assert tree(tmp_path / "resumed", skip=("__pycache__",)) == tree(ws, skip=("__pycache__",))
+
+
+def test_a_refused_snapshot_costs_the_run_nothing_but_that_snapshot(tmp_path):
+    store = SnapshotStore(tmp_path / "store", durable=False, max_file_bytes=4)
+    run = AgentRun(EFFECTS, tmp_path / "ws", Scripted(OUTPUTS), tmp_path / "ws.journal", run_id="ws",
+                   snapshots=store, snapshot_every=2)
+    result = asyncio.run(run.run())
+    # After call 1 every file is under the store's 4-byte limit; call 2 appends 34 bytes to
+    # the answer file, so the snapshots after calls 3, 5, 7 and 9 are refused.
+    assert result.status == "finished" and len(result.calls) == 11
+    assert store.calls() == [1] and run.snapshots_refused == 4

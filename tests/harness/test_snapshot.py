@@ -85,6 +85,7 @@ def test_unchanged_tree_adds_no_blob_bytes_and_a_change_adds_only_itself(tmp_pat
     third = SnapshotStore(tmp_path / "store").snapshot(ws, 16)
     assert third.new_bytes == 2 and store.blob_bytes() == held + 2
     assert store.latest().call == 16 and store.latest(at_most=15).call == 8 and store.latest(at_most=-1) is None
+    assert store.drop_after(8) == [16] and store.calls() == [0, 8] and store.blob_bytes() == held + 2
 
 
 def test_manifest_round_trips_and_bad_one_names_the_file(tmp_path):
