@@ -65,7 +65,7 @@ EXTRA_ROWS: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
 DECLARED: dict[tuple[str, str], str] = {
     ("*", "fsio"): "the style: atomic writes, fsyncs and directory replaces are one module, used everywhere",
     ("cells", "config"): "the fleet reads its typed run config (the style: the head and the fleet agree in config.py)",
-    ("cells", "models"): "one CheckpointError: the fleet's checkpoints raise the one models.checkpoint defines",
+    ("cells", "models"): "one CheckpointError: the fleet's checkpoints raise the one models.checkpoint defines; cells.sharding shards the decoder (FSDP2 per layer)",
     ("rl", "config"): "the workload reads its sections of the run config",
     ("sim", "config"): "workload files are read as run configs are; a simulated run records its config.yaml",
     ("rundir", "config"): "a run directory's config.yaml is read back (inspect, the roles a fleet starts with)",
