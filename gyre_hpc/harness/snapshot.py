@@ -169,7 +169,10 @@ class SnapshotStore:
         skipped: list[tuple[str, str]] = []
         written: list[Path] = []
         total = new_bytes = 0
-        root_fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            root_fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SnapshotError(f"workspace {ws} cannot be snapshotted: {exc.strerror} (a link is not followed)") from None
         walk = beneath.walk(root_fd, max_entries=self.max_entries)
         try:
             top = os.fstat(root_fd)
@@ -242,6 +245,7 @@ class SnapshotStore:
         ws = Path(workspace).absolute()
         staged = ws.with_name(f".{ws.name}.restoring")
         discarded = ws.with_name(f".{ws.name}.discarded")
+        ws.parent.mkdir(parents=True, exist_ok=True)
         for leftover in (staged, discarded):
             if os.path.lexists(leftover):
                 _remove(leftover)

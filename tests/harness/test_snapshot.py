@@ -200,6 +200,13 @@ def test_setuid_bits_are_dropped_and_store_inside_workspace_refused(tmp_path):
     assert (tmp_path / "out" / "suid").stat().st_mode & 0o7777 == 0o755
     with pytest.raises(SnapshotError, match="inside workspace"):
         SnapshotStore(ws / ".snap").snapshot(ws, 0)
+    os.symlink("/etc", tmp_path / "ws-link")        # the workspace path itself a link: not followed
+    with pytest.raises(SnapshotError, match="ws-link cannot be snapshotted"):
+        store.snapshot(tmp_path / "ws-link", 1)
+    store.restore(store.load(0), tmp_path / "ws-link")      # replaces the link, writes nothing in /etc
+    assert not os.path.islink(tmp_path / "ws-link") and not os.path.exists("/etc/suid")
+    store.restore(store.load(0), tmp_path / "new" / "parent" / "ws")
+    assert (tmp_path / "new" / "parent" / "ws" / "suid").read_text() == "x"
 
 
 def test_deep_tree_round_trips(tmp_path):
