@@ -211,6 +211,13 @@ def test_setuid_bits_are_dropped_and_store_inside_workspace_refused(tmp_path):
 
 def test_deep_tree_round_trips(tmp_path):
     ws = tmp_path / "ws"
+    try:
+        _deep_tree_round_trips(tmp_path, ws)
+    finally:
+        remove_tree(ws)    # pytest's own clean-up of tmp_path recurses: a failed run must not leave the tree
+
+
+def _deep_tree_round_trips(tmp_path, ws):
     ws.mkdir()
     fd = os.open(ws, os.O_RDONLY)
     for _ in range(1500):        # deeper than Python's recursion limit (shutil.rmtree recurses)
@@ -236,7 +243,6 @@ def test_deep_tree_round_trips(tmp_path):
     with pytest.raises(SnapshotError, match="has a path of 4001 bytes"):
         store.snapshot(ws, 1)
     assert store.calls() == [0]
-    remove_tree(ws)    # pytest's own clean-up of tmp_path recurses
 
 
 def test_snapshot_due():
