@@ -46,6 +46,14 @@ def test_sharded_cells_give_one_replicas_loss_and_gradient(tmp_path, cells, rank
 
 
 @pytest.mark.mpi
+def test_per_layer_activation_checkpointing_under_fsdp_gives_the_same_gradient(tmp_path):
+    """train.activation_checkpointing: each FSDP layer is gathered again for its recompute."""
+    got = run(tmp_path, 2, PROGRAM, "grad", 1, 2, "float32", "checkpoint-layers")
+    assert got["max_rel_grad"] <= 1e-5
+    assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6)
+
+
+@pytest.mark.mpi
 def test_bf16_parameters_reduce_and_keep_float32(tmp_path):
     got = run(tmp_path, 2, PROGRAM, "grad", 1, 2, "bfloat16")
     assert (got["grad_dtype"], got["master_dtype"]) == ("torch.float32", "torch.float32")

@@ -1,6 +1,6 @@
 """Rank program: training cells of R ranks sharded with FSDP2 (gloo), C cells reducing over MPI.
 
-``grad OUT PORT C R [DTYPE]``: one step of a 4-micro-batch batch (rank of cell c, shard k takes
+``grad OUT PORT C R [DTYPE [checkpoint-layers]]``: one step of a 4-micro-batch batch (rank of cell c, shard k takes
 micro-batch c*R+k... split evenly); rank 0 writes the loss and the gathered full gradient's
 relative difference from one unsharded replica that trains the whole batch.
 
@@ -41,10 +41,10 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (MICRO, ROWS, T), generator=g)
 
 
-def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+def loss_of(model, ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.Tensor:
     """Mean next-token cross entropy over ids [B, T] (every row the same length)."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    logits = model(ids, pos)
+    logits = model(ids, pos, checkpoint_layers=checkpoint_layers)
     return F.cross_entropy(logits[:, :-1].reshape(-1, CFG.vocab_size), ids[:, 1:].reshape(-1))
 
 
@@ -80,10 +80,11 @@ def write(obj) -> None:
 if mode == "grad":
     cells, ranks = int(sys.argv[4]), int(sys.argv[5])
     dtype = sys.argv[6] if len(sys.argv) > 6 else "float32"
+    layer_checkpoints = len(sys.argv) > 7 and sys.argv[7] == "checkpoint-layers"
     assert cells * ranks == size
     group = cell_groups(cells, ranks)
     model = sharding.shard_model(build_model(CFG, seed=0), group, dtype=dtype)
-    loss = loss_of(model, my_micro(0, rank, size))
+    loss = loss_of(model, my_micro(0, rank, size), checkpoint_layers=layer_checkpoints)
     loss.backward()
     stats = sharding.reduce_replicas(model, sharding.replica_comm(world, rank % ranks))
     mean_loss = world.allreduce(loss.item(), op=MPI.SUM) / size
