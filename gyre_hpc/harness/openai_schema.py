@@ -31,36 +31,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ChatRequest(_Strict):
+class _Request(_Strict):
+    """The fields both endpoints take. ``temperature``, ``top_p`` and ``seed`` are accepted so
+    that a scaffold's usual request passes, and not applied: sampling is the training run's."""
     model: str
-    messages: list[dict] = Field(min_length=1)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)   # only the sampled token's logprob is kept
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    n: Literal[1] = 1
-    user: str | None = None
-
-    @property
-    def budget(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
-class CompletionRequest(_Strict):
-    model: str
-    prompt: list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    stream: Literal[False] = False
-    logprobs: int | None = Field(default=None, ge=0, le=1)
-    echo: Literal[False] = False
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -70,6 +45,29 @@ class CompletionRequest(_Strict):
     @property
     def budget(self) -> int | None:
         return self.max_tokens
+
+
+class ChatRequest(_Request):
+    messages: list[dict] = Field(min_length=1)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)   # only the sampled token's logprob is kept
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: list[int] = Field(min_length=1)
+    stream: Literal[False] = False
+    logprobs: int | None = Field(default=None, ge=0, le=1)
+    echo: Literal[False] = False
 
 
 def parse_body(raw: bytes, schema: type[_Strict]) -> ChatRequest | CompletionRequest:

@@ -220,7 +220,7 @@ def test_parse_body_names_the_bad_field():
                     ChatRequest)
     assert ok.budget == 3 and ok.stream is False
     for raw, schema, param, code in [
-            (b'{"model": "m", "messages": [], "max_tokens": 0}', ChatRequest, "messages", "invalid_value"),
+            (b'{"model": "m", "messages": []}', ChatRequest, "messages", "invalid_value"),
             (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": 0}', ChatRequest, "max_tokens",
              "invalid_value"),
             (b'{"model": "m", "messages": [{"role": "user"}], "n": 2}', ChatRequest, "n", "invalid_value"),

@@ -17,6 +17,7 @@ from gyre_hpc.harness.snapshot import SnapshotStore
 from gyre_hpc.harness.tasks import Task, TaskTest, load_suite
 from gyre_hpc.harness.tokenizer import encode
 from gyre_hpc.models.tokenizer import embedded_tokenizer
+from workspace_tree import tree
 
 
 class Interrupted(Exception):
@@ -46,23 +47,6 @@ class Scripted:
         out = self.outputs[self.k]
         self.k += 1
         return Completion(tuple(out), tuple(-1.0 for _ in out), 3)
-
-
-def tree(root: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
-    out = {}
-    for d, dirs, files in os.walk(root):
-        dirs[:] = [n for n in dirs if n not in skip]
-        for n in dirs + files:
-            p = Path(d) / n
-            st = p.lstat()
-            rel = str(p.relative_to(root))
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("file", st.st_mode & 0o777, p.read_bytes())
-            else:
-                out[rel] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o777)
-    return out
 
 
 EFFECTS = Task(task_id="effects", spec="Change files.", files={"b.txt": "bee", "keep.txt": "kept"},

@@ -9,25 +9,7 @@ import pytest
 
 from gyre_hpc.harness.beneath import remove_tree
 from gyre_hpc.harness.snapshot import Manifest, SnapshotError, SnapshotStore, snapshot_due
-
-
-def tree(root: Path) -> dict[str, tuple]:
-    """Every entry under ``root`` (links not followed): kind, permission bits, content or target."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for n in dirs + files:
-            p = Path(d) / n
-            st = p.lstat()
-            rel = str(p.relative_to(root))
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", st.st_mode & 0o777)
-            elif stat.S_ISFIFO(st.st_mode):
-                out[rel] = ("fifo", st.st_mode & 0o777)
-            else:
-                out[rel] = ("file", st.st_mode & 0o777, p.read_bytes())
-    return out
+from workspace_tree import tree
 
 
 def make_ws(root: Path) -> Path:
