@@ -25,14 +25,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from mpi4py import MPI
 
+from gyre_hpc.bench.scale import SMOLLM2_135M
 from gyre_hpc.cells import sharding
 from gyre_hpc.models.decoder import CausalLM, LMConfig, rope_inv_freq
 
 torch.set_num_threads(1)
 out_path, port = sys.argv[1], sys.argv[2]
 layers = int(sys.argv[3]) if len(sys.argv) > 3 else 30
-CFG = LMConfig(vocab_size=49152, d_model=576, n_layers=layers, n_heads=9, n_kv_heads=3, d_ff=1536,
-               family="llama", qkv_bias=False, tie_embeddings=True)
+CFG = LMConfig(**{**SMOLLM2_135M, "n_layers": layers})
 
 
 def rss_mb() -> float:
