@@ -105,6 +105,9 @@ class CellPlan(_Section):
                 raise ValueError(f"cells.{name} has {bad}: valid cell indices are 0..{self.count - 1}")
         if self.core in self.rollout_only:
             raise ValueError(f"cells.rollout_only contains the core cell {self.core}: the core cell always trains")
+        if self.ranks_per_cell < self.nodes_per_cell:
+            raise ValueError(f"cells.ranks_per_cell={self.ranks_per_cell} < cells.nodes_per_cell={self.nodes_per_cell}: "
+                             f"{self.nodes_per_cell - self.ranks_per_cell} node(s) of every cell would hold no rank")
         bad = [i for i in self.pace.speed if not 0 <= i < self.count]
         if bad:
             raise ValueError(f"cells.pace.speed has cells {bad}: valid cell indices are 0..{self.count - 1}")
@@ -170,6 +173,14 @@ class TrainConfig(_Section):
                            "(a real-width model's long paths; docs/trees.md)")
 
 
+class AgentCommand(_Section):
+    """An outside scaffold named by its command line (``rollout.agent: {command: [...]}``)."""
+
+    command: list[str] = Field(min_length=1, description="argv, started in the run's workspace with OPENAI_BASE_URL "
+                                                         "and OPENAI_API_KEY (docs/harness.md, outside scaffolds)")
+
+
+
 class RolloutConfig(_Section):
     tasks: str = Field("builtin", description="task suite name, or a directory of tasks: a path with a '/' "
                                               "(one folder per task; docs/harness.md, examples/tasks/)")
@@ -201,6 +212,9 @@ class RolloutConfig(_Section):
     # of the calls after it again (harness.resume): at most this many calls' effects redone.
     snapshot_every: int = Field(8, ge=1, le=1 << 20, description="snapshot a run's workspace after every this "
                                                                  "many model calls (harness.snapshot)")
+    agent: Literal["harness", "mini-swe-agent"] | AgentCommand = Field(
+        "harness", description="who drives a run: the project's own loop, mini-swe-agent, or {command: [...]}, "
+                               "each outside scaffold through the OpenAI-compatible endpoint")
 
 
 class WarmstartConfig(_Section):

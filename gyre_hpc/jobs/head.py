@@ -33,7 +33,8 @@ def plan_for_environment(cfg: RunConfig, env: Mapping[str, str], expand=expand_n
     if "SLURM_HET_SIZE" in env:
         return fleet_plan.plan_for_het_job(cfg, env, expand=expand)
     if "SLURM_JOB_NODELIST" in env:
-        return fleet_plan.plan_for_nodes(cfg, expand(env["SLURM_JOB_NODELIST"]))
+        return fleet_plan.plan_for_nodes(cfg, expand(env["SLURM_JOB_NODELIST"]),
+                                         fleet_plan.cpus_per_node(env.get("SLURM_JOB_CPUS_PER_NODE")))
     return fleet_plan.local_plan(cfg)
 
 

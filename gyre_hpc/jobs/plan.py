@@ -77,13 +77,40 @@ def local_plan(cfg: RunConfig) -> FleetPlan:
     return FleetPlan((head, *_cell_components(cfg, lambda c: ())))
 
 
-def plan_for_nodes(cfg: RunConfig, nodes: list[str]) -> FleetPlan:
+def cpus_per_node(value: str | None) -> int | None:
+    """The fewest CPUs of any node in ``SLURM_JOB_CPUS_PER_NODE`` ("4(x3),2" -> 2); None when unset."""
+    if not value:
+        return None
+    try:
+        return min(int(part.split("(")[0]) for part in value.split(","))
+    except ValueError:
+        raise ConfigError(f"SLURM_JOB_CPUS_PER_NODE={value!r} is not Slurm's 'N(xM),N' form") from None
+
+
+def check_ranks_fit_nodes(cfg: RunConfig, node_cpus: int) -> None:
+    """ConfigError naming the fields when a cell's ranks need more CPUs than its nodes have:
+    srun spreads a cell's ``ranks_per_cell`` tasks over its ``nodes_per_cell`` nodes, so the
+    fullest node runs ceil(ranks / nodes) of them at ``cpus_per_rank`` each."""
+    c = cfg.cells
+    per_node = -(-c.ranks_per_cell // c.nodes_per_cell)
+    if per_node * c.cpus_per_rank > node_cpus:
+        raise ConfigError(
+            f"cells.ranks_per_cell={c.ranks_per_cell} over cells.nodes_per_cell={c.nodes_per_cell} puts {per_node} "
+            f"rank(s) x cells.cpus_per_rank={c.cpus_per_rank} = {per_node * c.cpus_per_rank} CPUs on a node, "
+            f"the allocation's nodes have {node_cpus}")
+
+
+def plan_for_nodes(cfg: RunConfig, nodes: list[str], node_cpus: int | None = None) -> FleetPlan:
     """A het *step* inside a plain allocation (submitit): cells get whole nodes, in order.
 
     With a spare node the controller gets nodes[0] to itself; otherwise it shares the first
-    cell's node (it is one light rank). Too few nodes for the cells fails, naming the fields.
+    cell's node (it is one light rank). Too few nodes for the cells, or a cell's ranks more
+    than its nodes' CPUs (``node_cpus``, the allocation's smallest node, when known), fails
+    naming the fields.
     """
     cfg.validate_against_nodes(len(nodes))
+    if node_cpus is not None:
+        check_ranks_fit_nodes(cfg, node_cpus)
     npc = cfg.cells.nodes_per_cell
     need = cfg.cells.count * npc
     cell_nodes = nodes[1:1 + need] if len(nodes) > need else nodes[:need]

@@ -31,18 +31,41 @@ def check_config(cfg: RunConfig) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if cfg.model.path:
-        from gyre_hpc.models.checkpoint import CONFIG_FILE, is_checkpoint
+        from gyre_hpc.models.checkpoint import CONFIG_FILE, is_checkpoint, read_config
 
         if not Path(cfg.model.path).is_dir():
             raise ConfigError(f"model.path={cfg.model.path!r} is not a checkpoint directory")
         if not is_checkpoint(cfg.model.path):
             raise ConfigError(f"model.path={cfg.model.path!r} holds no {CONFIG_FILE}: not an HF-format checkpoint "
                               f"directory")
+        check_cell_shards(cfg, lambda: read_config(cfg.model.path))
         return
     from gyre_hpc.models.tiny_lm import PRESETS
 
     if cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; valid presets: {', '.join(sorted(PRESETS))}")
+    check_cell_shards(cfg, lambda: cfg.model.preset)
+
+
+def check_cell_shards(cfg: RunConfig, architecture) -> None:
+    """ConfigError naming ``cells.ranks_per_cell`` and the tensor when a cell's ranks cannot
+    each hold a slice of every parameter (``cells.shard_shape``). ``architecture()``: the
+    preset name or LMConfig; the model is built on the meta device, so no weights are made
+    (a 7B model is checked in milliseconds)."""
+    if cfg.cells.ranks_per_cell == 1:
+        return
+    import torch
+
+    from gyre_hpc.cells.shard_shape import check_shardable, parameter_shapes
+    from gyre_hpc.models.decoder import PRESETS, CausalLM
+
+    arch = architecture()
+    with torch.device("meta"):
+        model = CausalLM(PRESETS[arch] if isinstance(arch, str) else arch)
+    try:
+        check_shardable(parameter_shapes(model.named_parameters()), cfg.cells.ranks_per_cell)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def prepare_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:

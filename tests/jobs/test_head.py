@@ -37,7 +37,7 @@ def test_slurm_in_a_plain_allocation_is_a_het_step_over_its_nodes():
 
 
 def test_slurm_without_an_allocation_lets_srun_place_components():
-    cfg = build_config({"cells": {"count": 2, "nodes_per_cell": 2}, "launcher": "slurm"})
+    cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 2, "nodes_per_cell": 2}, "launcher": "slurm"})
     plan = plan_for_environment(cfg, {}, expand=_expand)
     assert [(c.nodes, c.nnodes) for c in plan.components] == [((), 1), ((), 2), ((), 2)]
 

@@ -216,13 +216,13 @@ def test_slurm_command_uses_het_groups_inside_a_het_job():
 
 
 def test_slurm_command_is_a_het_step_with_nodelists_in_an_allocation():
-    cfg = build_config({"cells": {"count": 2, "nodes_per_cell": 2, "cpus_per_rank": 3}})
+    cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 2, "nodes_per_cell": 2, "cpus_per_rank": 3}})
     plan = fleet_plan.plan_for_nodes(cfg, ["a1", "a2", "a3", "a4", "a5"])
     cmd = SlurmLauncher(mpi="pmi2").command(plan, ["prog"])
     blocks = " ".join(cmd).split(" : ")
     assert blocks[0].endswith("--ntasks 1 --cpus-per-task 1 --nodes 1 --nodelist a1 prog")
-    assert blocks[1] == "--ntasks 1 --cpus-per-task 3 --nodes 2 --nodelist a2,a3 prog"
-    assert blocks[2] == "--ntasks 1 --cpus-per-task 3 --nodes 2 --nodelist a4,a5 prog"
+    assert blocks[1] == "--ntasks 2 --cpus-per-task 3 --nodes 2 --nodelist a2,a3 prog"
+    assert blocks[2] == "--ntasks 2 --cpus-per-task 3 --nodes 2 --nodelist a4,a5 prog"
     assert "--mpi=pmi2" in cmd
 
 

@@ -33,13 +33,13 @@ def test_plan_for_nodes_gives_the_controller_a_spare_node():
 
 
 def test_plan_for_nodes_shares_the_first_cell_node_without_a_spare():
-    cfg = build_config({"cells": {"count": 2, "nodes_per_cell": 2}})
+    cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 2, "nodes_per_cell": 2}})
     plan = fleet_plan.plan_for_nodes(cfg, ["n1", "n2", "n3", "n4"])
     assert [c.nodes for c in plan.components] == [("n1",), ("n1", "n2"), ("n3", "n4")]
 
 
 def test_too_few_nodes_names_the_fields():
-    cfg = build_config({"cells": {"count": 4, "nodes_per_cell": 2}})
+    cfg = build_config({"cells": {"count": 4, "ranks_per_cell": 2, "nodes_per_cell": 2}})
     with pytest.raises(ConfigError, match=r"cells.count=4 x cells.nodes_per_cell=2 needs 8 nodes, the cluster has 3"):
         fleet_plan.plan_for_nodes(cfg, ["a", "b", "c"])
 
@@ -70,3 +70,36 @@ def test_het_job_shape_is_head_then_one_component_per_cell():
     cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 3, "cpus_per_rank": 2, "nodes_per_cell": 1},
                         "slurm": {"head_cpus": 2}})
     assert fleet_plan.het_job_shape(cfg) == [(1, 1, 2), (1, 3, 2), (1, 3, 2)]
+
+
+def test_a_cell_with_fewer_ranks_than_nodes_is_refused_by_name():
+    # srun would drop the extra nodes with a warning ("can't run 1 processes on 2 nodes").
+    with pytest.raises(ConfigError, match=r"cells.ranks_per_cell=1 < cells.nodes_per_cell=2: 1 node\(s\) of every "
+                                          r"cell would hold no rank"):
+        build_config({"cells": {"count": 2, "nodes_per_cell": 2}})
+
+
+def test_slurms_cpus_per_node_reads_its_smallest_node():
+    assert fleet_plan.cpus_per_node("4(x3),2") == 2
+    assert fleet_plan.cpus_per_node("8") == 8
+    assert fleet_plan.cpus_per_node(None) is None
+    with pytest.raises(ConfigError, match="SLURM_JOB_CPUS_PER_NODE='four'"):
+        fleet_plan.cpus_per_node("four")
+
+
+def test_ranks_the_nodes_cannot_hold_are_refused_naming_the_fields():
+    cfg = build_config({"cells": {"count": 2, "ranks_per_cell": 3, "nodes_per_cell": 2, "cpus_per_rank": 2}})
+    fleet_plan.check_ranks_fit_nodes(cfg, 4)      # 2 ranks x 2 CPUs on the fuller node
+    with pytest.raises(ConfigError, match=r"cells.ranks_per_cell=3 over cells.nodes_per_cell=2 puts 2 rank\(s\) x "
+                                          r"cells.cpus_per_rank=2 = 4 CPUs on a node, the allocation's nodes have 3"):
+        fleet_plan.plan_for_nodes(cfg, ["a", "b", "c", "d", "e"], node_cpus=3)
+
+
+def test_the_head_checks_ranks_against_the_allocations_cpus():
+    from gyre_hpc.jobs.head import plan_for_environment
+
+    cfg = build_config({"cells": {"count": 1, "ranks_per_cell": 4}, "launcher": "slurm"})
+    env = {"SLURM_JOB_NODELIST": "c1,c2"}
+    assert plan_for_environment(cfg, env | {"SLURM_JOB_CPUS_PER_NODE": "4(x2)"}, expand=lambda s: s.split(",")).world_size == 5
+    with pytest.raises(ConfigError, match="the allocation's nodes have 2"):
+        plan_for_environment(cfg, env | {"SLURM_JOB_CPUS_PER_NODE": "2(x2)"}, expand=lambda s: s.split(","))

@@ -62,3 +62,22 @@ def test_a_broken_or_missing_task_directory_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.tasks='nope' is not a task suite; valid suites: builtin, easy, "
                                           r"easy-3turn, easy-tool.*or a directory of tasks"):
         check_config(_tasks_cfg(tmp_path, "nope"))
+
+
+def test_more_ranks_per_cell_than_a_tensors_rows_is_refused_before_launch(tmp_path):
+    """Checked on the model's shapes (a meta-device model): the preset's narrowest tensor is
+    its single kv head's projection, 32 rows."""
+    def cfg(ranks, **model):
+        return build_config({"workload": "rl", "run_dir": str(tmp_path / "run"), "model": model,
+                             "cells": {"ranks_per_cell": ranks}, "rollout": {"allow_unconfined": True}})
+
+    check_config(cfg(32, preset="tiny"))
+    with pytest.raises(ConfigError, match=r"cells.ranks_per_cell=33: the model's model.layers.0.self_attn.k_proj.bias "
+                                          r"has 32 rows .* at most 32 ranks per cell"):
+        check_config(cfg(33, preset="tiny"))
+    from gyre_hpc.models.decoder import LMConfig
+
+    save_pretrained(build_model(LMConfig(vocab_size=512, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=24)),
+                    tmp_path / "narrow")
+    with pytest.raises(ConfigError, match=r"cells.ranks_per_cell=16: the model's .*k_proj.* has 8 rows"):
+        check_config(cfg(16, path=str(tmp_path / "narrow")))
