@@ -13,6 +13,7 @@ kept per call (``SessionStats.overhead_s``).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Sequence
@@ -64,11 +65,13 @@ def _finish_reason(output: Sequence[int], stop: Sequence[int], budget: int) -> s
 
 
 def create_app(registry: SessionRegistry, renderer: ChatRenderer, *, model_name: str, context_window: int,
-               default_max_tokens: int = 256) -> FastAPI:
-    """The app over ``registry``'s sessions; prompts past ``context_window`` tokens are refused."""
-    if context_window < 2 or default_max_tokens < 1:
-        raise ValueError(f"create_app: context_window={context_window} must be >= 2 and "
-                         f"default_max_tokens={default_max_tokens} >= 1")
+               default_max_tokens: int = 256, max_tokens_limit: int | None = None) -> FastAPI:
+    """The app over ``registry``'s sessions; prompts past ``context_window`` tokens are refused.
+    ``max_tokens_limit``: a request's ``max_tokens`` is cut to it (rollout.max_new_tokens: the
+    scaffold asks for what its own model would get; the run samples what the rollout allows)."""
+    if context_window < 2 or default_max_tokens < 1 or max_tokens_limit is not None and max_tokens_limit < 1:
+        raise ValueError(f"create_app: context_window={context_window} must be >= 2, "
+                         f"default_max_tokens={default_max_tokens} >= 1 and max_tokens_limit={max_tokens_limit} >= 1")
     app = FastAPI(title="gyre-hpc endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     tok = renderer.tokenizer
     stop = tok.stop_ids()
@@ -86,9 +89,17 @@ def create_app(registry: SessionRegistry, renderer: ChatRenderer, *, model_name:
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "gyre-hpc"}]}
 
+    def _asked(requested: int | None) -> int | None:
+        return requested if requested is None or max_tokens_limit is None else min(requested, max_tokens_limit)
+
     async def _generate(session: Session, prompt: Sequence[int], budget: int):
+        session.admit()
         t = time.perf_counter()
-        comp = await session.client.complete(prompt, budget, stop)
+        try:
+            comp = await asyncio.wait_for(session.client.complete(prompt, budget, stop), session.time_left())
+        except asyncio.TimeoutError:
+            raise APIError(408, f"run {session.run_id}'s wall clock ran out during this call", type="timeout_error",
+                           code="run_timeout") from None
         return comp, time.perf_counter() - t
 
     @app.post("/v1/chat/completions")
@@ -104,7 +115,7 @@ def create_app(registry: SessionRegistry, renderer: ChatRenderer, *, model_name:
                 raise APIError(400, str(exc), param="messages", code="invalid_messages") from None
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages", code="invalid_messages") from None
-            budget = _budget(body.budget, len(plan.prompt), context_window, default_max_tokens)
+            budget = _budget(_asked(body.budget), len(plan.prompt), context_window, default_max_tokens)
             comp, engine_s = await _generate(session, plan.prompt, budget)
             output = tuple(int(t) for t in comp.output)
             content = renderer.decode(output[:-1] if output and output[-1] == eos else output)
@@ -148,7 +159,7 @@ def create_app(registry: SessionRegistry, renderer: ChatRenderer, *, model_name:
         if bad:
             raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary 0..{tok.vocab_size - 1}",
                            param="prompt", code="invalid_value")
-        budget = _budget(body.budget, len(body.prompt), context_window, default_max_tokens)
+        budget = _budget(_asked(body.budget), len(body.prompt), context_window, default_max_tokens)
         async with session.lock:
             comp, engine_s = await _generate(session, body.prompt, budget)
             output = tuple(int(t) for t in comp.output)

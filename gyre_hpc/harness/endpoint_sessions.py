@@ -22,6 +22,7 @@ import numpy as np
 
 from gyre_hpc.harness.client import ModelClient
 from gyre_hpc.harness.journal import JournalWriter
+from gyre_hpc.harness.openai_schema import APIError
 from gyre_hpc.harness.session_context import PromptPlan, SessionCall
 from gyre_hpc.trees.calls import CallIncrement
 from gyre_hpc.trees.model import ModelCall
@@ -52,14 +53,37 @@ class SessionStats:
 
 class Session:
     """One run: its client (the run's seed), chat calls, journal and counters. Calls of one
-    session are serialized (``lock``): each is planned against the calls before it."""
+    session are serialized (``lock``): each is planned against the calls before it.
 
-    def __init__(self, key: str, run_id: str, client: ModelClient, journal: JournalWriter) -> None:
+    The run's budgets are enforced here as well as by whoever runs the scaffold: a call past
+    ``max_calls`` is refused and sets ``spent`` (the runner then kills the scaffold), a call
+    past ``deadline`` (``time.monotonic``) is cut, and a ``closed`` session takes no call."""
+
+    def __init__(self, key: str, run_id: str, client: ModelClient, journal: JournalWriter,
+                 max_calls: int | None = None, deadline: float | None = None) -> None:
         self.key, self.run_id, self.client, self.journal = key, run_id, client, journal
+        self.max_calls, self.deadline = max_calls, deadline
         self.chat_calls: list[SessionCall] = []
         self._journal_index: list[int] = []      # chat call i is journal call _journal_index[i]
         self.stats = SessionStats()
         self.lock = asyncio.Lock()
+        self.spent = asyncio.Event()
+        self.closed = False
+
+    def admit(self) -> None:
+        """Raise the OpenAI-style error for a call this session may not make now."""
+        if self.closed:
+            raise APIError(404, f"run {self.run_id} has ended; its session takes no more calls",
+                           code="session_not_found")
+        if self.max_calls is not None and self.stats.calls >= self.max_calls:
+            self.spent.set()
+            raise APIError(429, f"run {self.run_id}'s turn budget of {self.max_calls} model calls is spent",
+                           type="requests", code="turn_budget_spent")
+        if self.time_left() is not None and self.time_left() <= 0:
+            raise APIError(408, f"run {self.run_id}'s wall clock has run out", type="timeout_error", code="run_timeout")
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def record_chat(self, plan: PromptPlan, call: SessionCall, logprobs, policy_version: int) -> int:
         """Journal a chat call as the plan built it; returns its journal index."""
@@ -101,11 +125,11 @@ class SessionRegistry:
         self._by_key: dict[str, Session] = {}
 
     def open(self, run_id: str, client: ModelClient, journal_path: str | Path, task_id: str = "external",
-             key: str | None = None) -> Session:
+             key: str | None = None, max_calls: int | None = None, deadline: float | None = None) -> Session:
         key = key or f"gyre-{secrets.token_urlsafe(18)}"
         if key in self._by_key:
             raise ValueError(f"session key {key!r} is already open (run {self._by_key[key].run_id})")
-        session = Session(key, run_id, client, JournalWriter.create(journal_path, run_id, task_id))
+        session = Session(key, run_id, client, JournalWriter.create(journal_path, run_id, task_id), max_calls, deadline)
         self._by_key[key] = session
         return session
 

@@ -239,6 +239,8 @@ class RLStepDriver:
             for t in ahead:
                 t.cancel()
             self._loop.run_until_complete(asyncio.gather(*ahead, return_exceptions=True))
+        if self._loop is not None:
+            self._loop.run_until_complete(self.rollouts.stop())
         self.engines.pause()
         asked = self.calls.prompt_tokens
         totals = self.fleet.result.totals

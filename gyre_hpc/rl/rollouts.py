@@ -6,15 +6,27 @@ other), and only in step order: a step rolled out ahead (async) holds its finish
 until it is the current step (``TrainQueue.store_ahead`` stores them once the current step's
 trees all are, so ``trees.zarr`` stays ordered by step). A run whose tree a
 killed launch already committed is read back from the store instead of being rolled out again.
+
+With ``rollout.agent`` naming an outside scaffold (``mini-swe-agent``, or ``{command: [...]}``)
+a run is a ``harness.scaffold.ScaffoldRun`` instead of the project's own loop: the controller
+serves the OpenAI-compatible endpoint on this loop (``harness.endpoint_server``), each run is
+a session whose calls go through the same ``CountingRunClient`` (router, KV affinity,
+migrations, restarts counted) and are journaled as the engine saw them, so the tree, the store
+and training are the same code. Each run's endpoint figures (calls, extends, branches, drift,
+overhead per call) are written beside its journal (``<run>.endpoint.json``).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 from typing import Callable
 
 from gyre_hpc.cells.controller import Controller
+from gyre_hpc import fsio
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
+from gyre_hpc.harness.scaffold import ScaffoldRun, mini_swe_command
 from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.router_client import CountingRunClient, RoutedCalls
 from gyre_hpc.rl.runs import RunSpec, sample_runs
@@ -36,6 +48,27 @@ class Rollouts:
         self.tokenizer = policy_tokenizer(self.cfg)   # prompts in the policy's own chat template
         self.places = self.cfg.rollout.tasks_per_step * self.cfg.rollout.runs_per_task
         self._pool: asyncio.Semaphore | None = None   # the harness pool: places for one step's runs
+        self.scaffold = scaffold_command(self.cfg.rollout.agent)   # None: the project's own loop
+        self.endpoint = None       # served from the first step on, when a scaffold drives the runs
+
+    def _serve(self):
+        if self.endpoint is None:
+            # Here, not at the top: FastAPI and uvicorn are the endpoint extra, which a run of
+            # the project's own loop does not need.
+            from gyre_hpc.harness.chat_render import ChatRenderer
+            from gyre_hpc.harness.endpoint_server import EndpointServer
+            rc = self.cfg.rollout
+            self.endpoint = EndpointServer(ChatRenderer(self.tokenizer), model_name=model_name(self.cfg),
+                                           context_window=rc.context_limit, default_max_tokens=rc.max_new_tokens,
+                                           max_tokens_limit=rc.max_new_tokens)
+            self.endpoint.start()
+        return self.endpoint
+
+    async def stop(self) -> None:
+        """Stop serving the endpoint (the fleet is stopping)."""
+        if self.endpoint is not None:
+            await self.endpoint.stop()
+            self.endpoint = None
 
     def start(self, step: int, active: bool, trained_upto: int) -> tuple[StepState, list[asyncio.Task]]:
         """The step's state and a task per run still to roll out (call on the event loop)."""
@@ -81,7 +114,9 @@ class Rollouts:
         args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.journal",
                 self.harness_cfg)
         rc = self.cfg.rollout
-        if rc.tool_latency_s > 0:
+        if self.scaffold is not None:
+            agent = ScaffoldRun(*args, endpoint=self._serve(), command=self.scaffold, run_id=spec.run_id)
+        elif rc.tool_latency_s > 0:
             agent = LatencyAgentRun(*args, run_id=spec.run_id, run_seed=spec.seed, median_s=rc.tool_latency_s,
                                     sigma=rc.tool_latency_sigma, tokenizer=self.tokenizer)
         else:
@@ -95,6 +130,12 @@ class Rollouts:
                           status=result.status,
                           policy_version=min(versions) if versions else self.fleet.policy_version,
                           wall_s=result.wall_s)
+        if self.scaffold is not None and agent.session is not None:
+            expanded = sum(c.prompt.size + c.output.size for c in result.calls)
+            figures = {**agent.session.stats.as_dict(), "status": result.status, "reward": result.reward,
+                       "tree_tokens": int(tree.n_tokens), "trained_tokens": int(tree.trained.sum()),
+                       "sharing_ratio": expanded / tree.n_tokens if tree.n_tokens else None, "error": result.error}
+            fsio.write_text(self.run.journals / f"{spec.run_id}.endpoint.json", json.dumps(figures))
         self._run_done(st, RunOutcome(spec, tree, client.migrations, client.restarts, client.calls, client.model_s))
 
     def _run_done(self, st: StepState, outcome: RunOutcome) -> None:
@@ -109,3 +150,17 @@ class Rollouts:
             st.held.append(outs)    # rolled out ahead (async): handed on once its step is the current one
             return
         self.on_group(st, outs)
+
+
+def scaffold_command(agent) -> list[str] | None:
+    """The command line of ``rollout.agent``'s scaffold; None for the project's own loop."""
+    if agent == "harness":
+        return None
+    if agent == "mini-swe-agent":
+        return mini_swe_command()
+    return list(agent.command)
+
+
+def model_name(cfg) -> str:
+    """What ``/v1/models`` lists: the checkpoint folder's name, or the preset's."""
+    return Path(cfg.model.path).name if cfg.model.path else f"gyre-{cfg.model.preset}"
