@@ -20,16 +20,20 @@ The run ends with status ``finished`` (finish with a pass, retries spent, or tur
 ``failed`` (the model client or the checker raised). Every status is scored by the task's
 checker; a run whose checker crashes scores 0 with the crash as its error.
 
-Resume: with ``resume=True`` an unfinished journal is replayed: the workspace is rebuilt
-from the task's files and the recorded outputs are fed back through the same tools
-instead of calling the model; the first prompt that differs from the record (a tool that
-is not deterministic) abandons the replay and restarts the run cleanly (new journal,
-fresh workspace). The wall clock restarts on resume.
-
 Snapshots: given a ``SnapshotStore``, the workspace is saved as call k-1 left it just before
-a new call k whenever ``snapshot_due(k - 1, snapshot_every)``, for ``resume.restore_workspace``
-(the latest snapshot plus the effects of the journaled calls after it). This loop's own
-resume above does not use them yet: it still rebuilds the workspace from the task's files.
+a new call k whenever ``snapshot_due(k - 1, snapshot_every)``.
+
+Resume: with ``resume=True`` an unfinished journal is replayed; no journaled call asks the
+model again (its journaled tokens, logprobs and policy version are the call's result). The
+workspace comes back from the newest snapshot of a call S before the journal's last one
+(``resume.restore_workspace``; without one, the task's files and S = -1). Calls up to S do
+not run their tools (their effects are in the snapshot): the context after such a call is
+the next journaled prompt, which holds its result text (a main agent's finish there was
+followed by a retry). Calls after S run their tools again through ``_execute``, the one
+dispatch, so at most ``snapshot_every`` calls' tools run twice. Every replayed prompt is
+checked against the journal; the first that differs (a tool that is not deterministic)
+abandons the replay and restarts the run cleanly (new journal, fresh workspace, counted as
+``restarted``). The wall clock restarts on resume.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from gyre_hpc.harness.client import Completion, ModelClient
 from gyre_hpc.harness.confine import Limits
 from gyre_hpc.harness.context import TokenContext
 from gyre_hpc.harness.journal import JournalState, JournalWriter, load_journal
+from gyre_hpc.harness.resume import restore_workspace
 from gyre_hpc.harness.snapshot import SnapshotError, SnapshotStore, snapshot_due
 from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
 from gyre_hpc.harness.tokenizer import ChatFormat, truncate_utf8
@@ -108,8 +113,11 @@ class RunResult:
     retries: int = 0
     compressions: int = 0
     delegations: int = 0
-    replayed: int = 0
+    replayed: int = 0             # journaled calls replayed (no engine call)
     error: str | None = None      # why a run "failed" (the client's exception)
+    snapshot_call: int | None = None   # the snapshot a resume restored (None: none)
+    tools_redone: int = 0         # journaled calls whose tools ran again on resume (<= snapshot_every)
+    restarted: bool = False       # a journal with calls was abandoned: the run began again at call 0
 
 
 class RunTimeout(Exception):
@@ -172,7 +180,8 @@ class AgentRun:
         try:
             return await self._run_once(state)
         except ReplayDiverged:
-            return await self._run_once(None)
+            result = await self._run_once(None)
+            return replace(result, restarted=True)
 
     async def _run_once(self, state: JournalState | None) -> RunResult:
         # A workspace is reset only when this run's journal shows the run owns it.
@@ -180,7 +189,14 @@ class AgentRun:
             raise FileExistsError(
                 f"workspace {self.workspace_path} is not empty and has no journal at {self.journal_path}: "
                 f"refusing to overwrite files this run did not create")
-        self.task.materialize(self.workspace_path)
+        # Calls <= skip_upto are replayed without running their tools: the snapshot holds their effects.
+        self.skip_upto, self.tools_redone, self.snapshot_call = -1, 0, None
+        if state is not None and len(state.calls):
+            restored = restore_workspace(state, self.snapshots, self.task, self.workspace_path)
+            self.snapshot_call = restored.snapshot_call
+            self.skip_upto = -1 if restored.snapshot_call is None else restored.snapshot_call
+        else:
+            self.task.materialize(self.workspace_path)
         if state is None and self.snapshots is not None:
             self.snapshots.drop_after(-1)    # a fresh start: an earlier attempt's snapshots are not of this run
         self.ws = Workspace(self.workspace_path, self.cfg.command_limits)
@@ -215,7 +231,8 @@ class AgentRun:
         wall = time.monotonic() - start
         self.writer.end(status, check.score, wall, list(check.passed))
         return RunResult(self.run_id, self.task.task_id, status, check.score, wall, self.calls, check,
-                         self.retries, self.compressions, self.delegations, min(len(self.replay), len(self.calls)), error)
+                         self.retries, self.compressions, self.delegations, min(len(self.replay), len(self.calls)), error,
+                         self.snapshot_call, self.tools_redone)
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -271,7 +288,10 @@ class AgentRun:
         # each one knows which call's tokens it starts with, so a call is journaled and built
         # into the tree by its new tokens.
         anchor = context = TokenContext.of(intro + self.gen)
+        pending = False     # the context ends at a skipped call's output: the journal holds the rest
         for _ in range(max_turns):
+            if pending:
+                context, pending = self._journaled_context(context), False
             if self._needs_compression(context):
                 context = anchor = await self._compress(context, intro, agent)
             comp = await self._call(context, role, agent)
@@ -279,6 +299,17 @@ class AgentRun:
             if context is anchor:
                 anchor = anchor.as_call(k)     # a retry rewinds to this call's prompt
             action = parse_action(comp.output, self.tokenizer)
+            if k <= self.skip_upto and action.tool not in ("delegate", "finish"):
+                # Restored from the snapshot: no tool runs; the next journaled prompt has its result.
+                context, pending = context.extend(comp.output).as_call(k), True
+                continue
+            if k < len(self.replay) and k > self.skip_upto:
+                self.tools_redone += 1
+            if k <= self.skip_upto and action.tool == "finish" and agent == "main":
+                # A main finish the journal goes on after: its check failed and a retry followed.
+                self.retries += 1
+                context = self._journaled_context(anchor.prefix(len(anchor) - len(self.gen)))
+                continue
             result, finished = await self._execute(action, agent)
             if finished and agent == "main":
                 report = await self._check()
@@ -294,6 +325,24 @@ class AgentRun:
             context = context.extend(comp.output).as_call(k).extend(
                 self.chat.end_of_turn(comp.output) + self.chat.tool_result(shown) + self.gen)
         return "turn budget spent"
+
+    def _journaled_context(self, base: TokenContext) -> TokenContext:
+        """``base`` extended as the next journaled call's prompt goes on from it (that call's
+        new tokens; a summary call's without its request, plus the generation prompt, since the
+        loop asks for the summary itself). The next prompt check confirms it."""
+        k = len(self.calls)
+        if k >= len(self.replay):
+            raise ReplayDiverged(f"call {k}: the journal ends before the result of a restored call")
+        rec = self.replay.increments[k]
+        if base.origin is None or (rec.base, rec.shared) != base.origin or rec.shared != len(base):
+            raise ReplayDiverged(f"call {k}: its prompt does not extend the restored context")
+        new = rec.new
+        if rec.role == "summary":
+            request = self._summary_request()
+            if new.size < len(request):
+                raise ReplayDiverged(f"call {k}: a summary call without its request")
+            return base.extend(np.concatenate([new[:new.size - len(request)], np.asarray(self.gen, np.int32)]))
+        return base.extend(new)
 
     def _report(self, report: CheckReport) -> str:
         return report.summary(failures=self.task.report_failures)

@@ -1,11 +1,13 @@
-"""Resume a workspace: the latest snapshot, then the journaled calls' tool effects made again,
-against the workspace an uninterrupted run left (real harness loop, tools, jail, checker)."""
+"""Resume a run: the latest snapshot, the journaled calls replayed (no engine call), the tools of
+the calls after the snapshot run again, against an uninterrupted run (real harness loop, tools,
+jail, checker)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
+import shutil
 from pathlib import Path
+
+import numpy as np
 
 from gyre_hpc.harness.actions import format_action
 from gyre_hpc.harness.client import Completion
@@ -20,8 +22,8 @@ from gyre_hpc.models.tokenizer import embedded_tokenizer
 from workspace_tree import tree
 
 
-class Interrupted(Exception):
-    """The fleet died: the client stops answering at a given call."""
+class Killed(BaseException):
+    """The fleet died: not an Exception, so the loop cannot catch it (no end record)."""
 
 
 class StopAt:
@@ -33,7 +35,18 @@ class StopAt:
     async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
         k, self.k = self.k, self.k + 1
         if k == self.stop_at:
-            raise Interrupted(f"call {k}")
+            raise Killed(f"call {k}")
+        return await self.inner.complete(prompt, max_new_tokens, stop, agent=agent)
+
+
+class Counting:
+    """Counts the engine calls a resumed run makes."""
+
+    def __init__(self, inner):
+        self.inner, self.n = inner, 0
+
+    async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
+        self.n += 1
         return await self.inner.complete(prompt, max_new_tokens, stop, agent=agent)
 
 
@@ -72,58 +85,102 @@ def _run(tmp_path: Path, client, name: str, task: Task, cfg: HarnessConfig = Har
     return ws, result
 
 
-def test_snapshot_then_replayed_effects_equal_the_interrupted_workspace(tmp_path):
-    store = SnapshotStore(tmp_path / "store", durable=False)
-    ws = tmp_path / "run"
+def _interrupt(tmp_path: Path, client, name: str, task: Task, cfg: HarnessConfig = HarnessConfig(), **snapshots):
+    try:
+        _run(tmp_path, client, name, task, cfg, **snapshots)
+    except Killed:
+        pass
+    else:
+        raise AssertionError("the run was not interrupted")
+    return load_journal(tmp_path / f"{name}.journal")
+
+
+def _copy_run(tmp_path: Path, src: str, dst: str) -> None:
+    """A second copy of an interrupted run (journal, snapshots) to resume on its own."""
+    shutil.copy(tmp_path / f"{src}.journal", tmp_path / f"{dst}.journal")
+    shutil.copytree(tmp_path / f"{src}-store", tmp_path / f"{dst}-store")
+
+
+def _same_calls(a, b) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(x.prompt, y.prompt) and np.array_equal(x.output, y.output)
+        and np.array_equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
+
+
+def test_restore_workspace_takes_the_newest_snapshot_before_the_last_call(tmp_path):
+    store = SnapshotStore(tmp_path / "run-store", durable=False)
+    state = _interrupt(tmp_path, StopAt(Scripted(OUTPUTS), 10), "run", EFFECTS, snapshots=store, snapshot_every=4)
+    assert len(state.calls) == 10 and store.calls() == [3, 7]
+    done = restore_workspace(state, store, EFFECTS, tmp_path / "restored")
+    assert (done.snapshot_call, done.last_call, done.redo_from) == (7, 9, 8)
+    assert tree(tmp_path / "restored") == tree_of_manifest(store, 7, tmp_path)
+    done = restore_workspace(state, None, EFFECTS, tmp_path / "restored")
+    assert (done.snapshot_call, done.redo_from) == (None, 0)
+    EFFECTS.materialize(tmp_path / "initial")
+    assert tree(tmp_path / "restored") == tree(tmp_path / "initial")
+    # The snapshot of the last journaled call is not used: that call's result text is in no prompt.
+    cut = load_journal(tmp_path / "run.journal")
+    cut.calls = type(cut.calls)(cut.calls.increments[:8])
+    assert restore_workspace(cut, store, EFFECTS, tmp_path / "restored").snapshot_call == 3
+
+
+def tree_of_manifest(store, call, tmp_path):
+    store.restore(store.load(call), tmp_path / "from-manifest")
+    return tree(tmp_path / "from-manifest")
+
+
+def test_resumed_run_equals_the_uninterrupted_one_with_no_engine_call_redone(tmp_path):
+    """Cut after 10 calls (acted on), resumed: the journaled calls come from the journal, the
+    snapshot of call 7 is restored and only calls 8 and 9 run their tools again; the calls,
+    the workspace and the journal equal an uninterrupted run's."""
+    _, whole = _run(tmp_path, Scripted(OUTPUTS), "whole", EFFECTS)
+    store = SnapshotStore(tmp_path / "run-store", durable=False)
     (tmp_path / "earlier").mkdir()
     store.snapshot(tmp_path / "earlier", 99)     # left by an earlier attempt: a fresh start drops it
-    stop = 10    # calls 0..9 journaled and acted on; the fleet dies before call 10 (the finish)
-    _, result = _run(tmp_path, StopAt(Scripted(OUTPUTS), stop), "run", EFFECTS, snapshots=store, snapshot_every=4)
-    assert result.status == "failed" and "Interrupted" in result.error and len(result.calls) == stop
-    assert store.calls() == [3, 7]
-    left = tree(ws)
-    assert left["a.txt"] == ("file", 0o600, b"onemore") and "b.txt" not in left and "d/e" not in left
-    assert left["link"] == ("link", "a.txt") and left["answer.txt"][2].endswith(b"z")
-    state = load_journal(tmp_path / "run.journal")
-
-    done = restore_workspace(state, store, EFFECTS, tmp_path / "resumed")
-    assert (done.snapshot_call, done.replayed, done.last_call) == (7, (8,), 9)     # call 9 lists: no effect
-    assert tree(tmp_path / "resumed") == left
-    # An older snapshot: more calls made again, the same workspace.
-    store.manifest_path(7).unlink()
-    done = restore_workspace(state, store, EFFECTS, tmp_path / "resumed")
-    assert (done.snapshot_call, done.replayed) == (3, (4, 6, 7, 8))
-    assert tree(tmp_path / "resumed") == left
-    # No snapshot at all: the task's files and every call's effect (what a resume costs today).
-    done = restore_workspace(state, None, EFFECTS, tmp_path / "resumed")
-    assert (done.snapshot_call, done.replayed) == (None, (0, 1, 2, 3, 4, 6, 7, 8))
-    assert tree(tmp_path / "resumed") == left
+    state = _interrupt(tmp_path, StopAt(Scripted(OUTPUTS), 10), "run", EFFECTS, snapshots=store, snapshot_every=4)
+    assert state.status == "running" and len(state.calls) == 10 and store.calls() == [3, 7]
+    _copy_run(tmp_path, "run", "older")
+    client = Counting(Scripted(OUTPUTS[10:]))
+    ws, resumed = _run(tmp_path, client, "run", EFFECTS, snapshots=store, snapshot_every=4)
+    assert client.n == 1 and resumed.replayed == 10 and not resumed.restarted
+    assert (resumed.snapshot_call, resumed.tools_redone) == (7, 2)
+    assert (resumed.status, resumed.reward) == (whole.status, whole.reward) == ("finished", 1.0)
+    assert _same_calls(resumed.calls, whole.calls)
+    assert _same_calls(load_journal(tmp_path / "run.journal").calls, whole.calls)
+    assert tree(ws) == tree(tmp_path / "whole")
+    # An older snapshot: more tools run again, the same run.
+    older = SnapshotStore(tmp_path / "older-store", durable=False)
+    older.manifest_path(7).unlink()
+    client = Counting(Scripted(OUTPUTS[10:]))
+    ws, resumed = _run(tmp_path, client, "older", EFFECTS, snapshots=older, snapshot_every=4)
+    assert client.n == 1 and (resumed.snapshot_call, resumed.tools_redone) == (3, 6) and not resumed.restarted
+    assert _same_calls(resumed.calls, whole.calls) and tree(ws) == tree(tmp_path / "whole")
 
 
-def test_resumed_xlong_mini_workspace_equals_the_uninterrupted_runs(tmp_path):
-    """A real task and its teacher (tool calls, delegations, scoped tests, compressions): cut
-    mid-run, restored from the last snapshot plus replay, the workspace equals the one the
-    run had at the cut. ``__pycache__`` is left out: the checker's workers write it, and a
-    .pyc holds its source's mtime, which a replayed write does not keep."""
+def test_resumed_xlong_mini_run_equals_the_uninterrupted_one(tmp_path):
+    """A real task and its teacher (tool calls, delegations, scoped tests, a
+    retry): cut mid-run and resumed from the last snapshot, the run's calls and its final
+    workspace equal an uninterrupted run's; at most ``snapshot_every`` calls run their tools
+    again and none asks the model again. ``__pycache__`` is left out: the checker's workers
+    write it, and a .pyc holds its source's mtime, which a replayed write does not keep."""
     task = next(t for t in load_suite("xlong-mini") if t.task_id == "xm-p2")
     cfg = HarnessConfig(max_new_tokens=160, context_limit=4096, run_timeout_s=3600)
     full_ws, full = _run(tmp_path, RepoTeacher(task, seed=0), "full", task, cfg)
     n = len(full.calls)
-    assert full.status == "finished" and n > 20
+    assert full.status == "finished" and n > 20 and full.delegations and full.retries
     cut = n // 2 + 3
-    store = SnapshotStore(tmp_path / "store", durable=False)
-    ws = tmp_path / "cut"
-    _, part = _run(tmp_path, StopAt(RepoTeacher(task, seed=0), cut), "cut", task, cfg, snapshots=store,
-                   snapshot_every=8)
-    assert len(part.calls) == cut and part.status == "failed"
-    state = load_journal(tmp_path / "cut.journal")
-    # The cut run made the same calls as the whole one up to the cut.
-    assert all((state.calls[k].output == full.calls[k].output).all() for k in range(cut))
-    done = restore_workspace(state, store, task, tmp_path / "resumed", cfg)
-    assert done.snapshot_call == (cut - 1) // 8 * 8 - 1 and done.last_call == cut - 1
-    print(f'xm-p2: {n} calls, cut at {cut}, snapshot {done.snapshot_call}, replayed {done.replayed}')
-    assert done.replayed and done.replayed[-1] <= cut - 1
-    assert tree(tmp_path / "resumed", skip=("__pycache__",)) == tree(ws, skip=("__pycache__",))
+    store = SnapshotStore(tmp_path / "cut-store", durable=False)
+    teacher = RepoTeacher(task, seed=0)     # reactive and stateful: the resumed run goes on with it
+    state = _interrupt(tmp_path, StopAt(teacher, cut), "cut", task, cfg, snapshots=store, snapshot_every=8)
+    assert len(state.calls) == cut and _same_calls(state.calls, full.calls[:cut])
+    client = Counting(teacher)
+    ws, resumed = _run(tmp_path, client, "cut", task, cfg, snapshots=store, snapshot_every=8)
+    print(f"xm-p2: {n} calls, cut at {cut}, snapshot {resumed.snapshot_call}, tools redone {resumed.tools_redone}")
+    assert not resumed.restarted and resumed.replayed == cut and client.n == n - cut
+    assert resumed.snapshot_call == (cut - 1) // 8 * 8 - 1     # the newest before the last journaled call
+    assert 0 < resumed.tools_redone <= 8
+    assert _same_calls(resumed.calls, full.calls) and resumed.reward == full.reward
+    assert tree(ws, skip=("__pycache__",)) == tree(full_ws, skip=("__pycache__",))
 
 
 def test_a_refused_snapshot_costs_the_run_nothing_but_that_snapshot(tmp_path):
