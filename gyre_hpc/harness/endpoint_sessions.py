@@ -47,6 +47,7 @@ class SessionStats:
         return {"calls": self.calls, "extends": self.extends, "branches": self.branches, "retries": self.retries,
                 "renders": self.renders, "drift": self.drift,
                 "overhead_ms_mean": 1e3 * float(np.mean(over)) if over else None,
+                "overhead_ms_p50": 1e3 * float(np.median(over)) if over else None,
                 "overhead_ms_max": 1e3 * float(np.max(over)) if over else None,
                 "journal_ms_mean": 1e3 * float(np.mean(journal)) if journal else None}
 

@@ -1,0 +1,61 @@
+"""An RL step whose runs an outside scaffold drives through the endpoint (``rollout.agent``):
+real MPI ranks, engines behind the router, a task directory, trees.zarr read back against the
+journals (every trained token is a token the engine sampled, exactly once)."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openai", reason="openai is not installed (the test extra)")
+pytest.importorskip("uvicorn", reason="uvicorn is not installed (the endpoint extra)")
+
+from gyre_hpc.harness.confine import isolation_mode  # noqa: E402
+from gyre_hpc.harness.journal import load_journal  # noqa: E402
+from gyre_hpc.rundir.layout import RunDir  # noqa: E402
+from gyre_hpc.trees.store import TreeStore  # noqa: E402
+from tests.rl.rl_helpers import REPO, rl_config, run_fleet  # noqa: E402
+
+SCRIPT = str(REPO / "tests/harness/scaffold_openai_client.py")
+
+pytestmark = [pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (Open MPI)"),
+              pytest.mark.skipif(isolation_mode() == "plain", reason="no namespace jail can be made here")]
+
+
+def scaffold_step(tmp_path: Path, agent) -> tuple[RunDir, dict, str]:
+    tasks = tmp_path / "tasks"
+    shutil.copytree(REPO / "examples/tasks/add-two", tasks / "add-two")
+    cfg = rl_config(tmp_path, rollout={"tasks": str(tasks), "runs_per_task": 2, "tasks_per_step": 1,
+                                       "max_new_tokens": 12, "agent": agent, "run_timeout_s": 120.0},
+                    train={"steps": 1})
+    proc, result = run_fleet(cfg, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return RunDir.at(cfg.run_dir), result, proc.stdout
+
+
+@pytest.mark.slow       # ~80 s here: a fleet of 4 MPI ranks, one step
+def test_openai_script_runs_train_exactly_the_tokens_the_engines_sampled(tmp_path):
+    run, _, stdout = scaffold_step(tmp_path, {"command": [sys.executable, SCRIPT, "turns"]})
+    assert " step 1/1 reward " in stdout
+    with TreeStore.open(run.trees, "r") as store:
+        trees = [store.read(i) for i in range(len(store))]
+    assert len(trees) == 2
+    for tree in trees:
+        journal = load_journal(run.journals / f"{tree.run_id}.journal")
+        assert journal.finished and tree.reward == journal.reward == 1.0 and tree.status == "finished"
+        calls = list(journal.calls)
+        assert len(calls) == 3
+        sampled = np.concatenate([c.output for c in calls])
+        assert np.array_equal(tree.tokens[tree.trained], sampled)      # one path: in call order
+        assert np.array_equal(tree.logprobs[tree.trained], np.concatenate([c.logprobs for c in calls]))
+        for k, c in enumerate(calls):
+            assert np.array_equal(tree.path(k), np.concatenate([c.prompt, c.output]))
+        figures = json.loads((run.journals / f"{tree.run_id}.endpoint.json").read_text())
+        assert (figures["calls"], figures["extends"], figures["drift"]) == (3, 2, 0)
+        assert figures["sharing_ratio"] > 1.0 and figures["trained_tokens"] == sampled.size
+        print(tree.run_id, json.dumps({k: figures[k] for k in ("calls", "drift", "sharing_ratio", "overhead_ms_mean",
+                                                               "reward")}))
