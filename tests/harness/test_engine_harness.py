@@ -137,3 +137,45 @@ def test_a_calls_seed_is_a_function_of_the_run_seed_and_the_prompt_alone():
     assert call_seed(3, prompt) == call_seed(3, list(prompt)) == RunClient(None, 3).seed_for(prompt)
     assert call_seed(3, prompt) != call_seed(4, prompt) and call_seed(3, prompt) != call_seed(3, prompt[:-1])
     assert 0 <= call_seed(3, prompt) < 2**63
+
+
+class _Killed(BaseException):
+    """The fleet died mid-run: not an Exception, so the loop writes no end record."""
+
+
+class _KillAt:
+    def __init__(self, inner, at):
+        self.inner, self.at, self.k = inner, at, 0
+
+    async def complete(self, prompt, max_new_tokens, stop, *, agent="main"):
+        k, self.k = self.k, self.k + 1
+        if k == self.at:
+            raise _Killed()
+        return await self.inner.complete(prompt, max_new_tokens, stop, agent=agent)
+
+
+def test_a_run_interrupted_mid_way_resumes_to_the_uninterrupted_runs_tree(trained, tmp_path):
+    """Sampled (temperature 1, seeded per call), invariant numerics: cut after 4 calls and
+    resumed on a fresh engine, the run's tree has the uninterrupted run's token arrays and
+    logprobs bit for bit, and no journaled call goes to the engine again."""
+    from gyre_hpc.harness.snapshot import SnapshotStore
+    model, _ = trained
+    whole = AgentRun(HI_TASK, tmp_path / "ws-whole", EngineCalls(TorchEngine(model), temperature=1.0).client(7),
+                     tmp_path / "whole.jsonl", CFG, run_id="r")
+    whole = asyncio.run(whole.run())
+    assert whole.error is None and len(whole.calls) > 4
+    store = SnapshotStore(tmp_path / "store", durable=False)
+
+    def run(client):
+        return AgentRun(HI_TASK, tmp_path / "ws-cut", client, tmp_path / "cut.jsonl", CFG, run_id="r",
+                        snapshots=store, snapshot_every=2).run()
+    with pytest.raises(_Killed):
+        asyncio.run(run(_KillAt(EngineCalls(TorchEngine(model), temperature=1.0).client(7), 4)))
+    engine = TorchEngine(model)
+    resumed = asyncio.run(run(EngineCalls(engine, temperature=1.0).client(7)))
+    assert not resumed.restarted and resumed.replayed == 4 and resumed.snapshot_call == 1
+    assert engine.counters().requests_finished == len(whole.calls) - 4     # 0 journaled calls redone
+    a, b = (build_tree(r.calls, run_id="r", task_id=HI_TASK.task_id, reward=r.reward) for r in (whole, resumed))
+    assert a.n_tokens == b.n_tokens and np.array_equal(a.tokens, b.tokens)
+    assert np.array_equal(a.logprobs.view(np.uint32), b.logprobs.view(np.uint32))
+    assert (resumed.status, resumed.reward) == (whole.status, whole.reward)
