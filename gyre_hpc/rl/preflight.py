@@ -30,6 +30,14 @@ def check_config(cfg: RunConfig) -> None:
             load_tasks(cfg.rollout.tasks)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    if cfg.model.gguf:   # found now (a typo fails before launch); imported by prepare_config
+        from gyre_hpc.models.gguf_cache import GGUFSourceError, gguf_file
+
+        try:
+            gguf_file(cfg.model.gguf)
+        except GGUFSourceError as exc:
+            raise ConfigError(str(exc)) from None
+        return
     if cfg.model.path:
         from gyre_hpc.models.checkpoint import CONFIG_FILE, is_checkpoint, read_config
 
@@ -76,11 +84,26 @@ def prepare_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:
     likewise."""
     from gyre_hpc.warmstart.cache import with_warmstart
 
-    cfg = with_warmstart(absolute_task_dirs(cfg), log=log, build=build)
+    cfg = with_warmstart(with_gguf_checkpoint(absolute_task_dirs(cfg), log=log), log=log, build=build)
     if cfg.model.path and not Path(cfg.model.path).is_absolute():
         path = str(Path(cfg.model.path).expanduser().resolve())
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})
     return cfg
+
+
+def with_gguf_checkpoint(cfg: RunConfig, log=print) -> RunConfig:
+    """``cfg`` starting from the checkpoint imported from ``model.gguf`` (``models.gguf_cache``;
+    imported on first use, a few seconds to a minute, so a login node may do it): ``model.path``
+    set to that folder, ``model.gguf`` cleared (the two are exclusive)."""
+    if not cfg.model.gguf:
+        return cfg
+    from gyre_hpc.models.gguf_cache import cached_gguf_checkpoint
+
+    try:
+        path = cached_gguf_checkpoint(cfg.model.gguf, Path(cfg.model.gguf_cache_dir).expanduser(), log=log)
+    except ValueError as exc:
+        raise ConfigError(f"model.gguf={cfg.model.gguf!r}: {exc}") from None
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"gguf": None, "path": str(path)})})
 
 
 def absolute_task_dirs(cfg: RunConfig) -> RunConfig:

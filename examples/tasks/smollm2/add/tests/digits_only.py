@@ -1,0 +1,2 @@
+data = open('answer.txt', 'rb').read().strip().rstrip(b'.')
+assert data and data.isdigit()

@@ -1,0 +1,1 @@
+assert b'5' in open('answer.txt', 'rb').read()

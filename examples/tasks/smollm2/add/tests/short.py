@@ -1,0 +1,1 @@
+assert 0 < len(open('answer.txt', 'rb').read().strip()) <= 8

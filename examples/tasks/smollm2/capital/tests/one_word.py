@@ -1,0 +1,1 @@
+assert len(open('answer.txt', 'rb').read().split()) == 1

@@ -1,0 +1,1 @@
+assert b'paris' in open('answer.txt', 'rb').read().lower()

@@ -1,0 +1,2 @@
+import os
+assert os.path.isfile('hi.txt')

@@ -1,0 +1,2 @@
+import os
+assert not os.path.exists('answer.txt')

@@ -1,0 +1,1 @@
+assert open('hi.txt', 'rb').read().strip() == b'hello'
