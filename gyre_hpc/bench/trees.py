@@ -20,6 +20,7 @@ of the whole step added on top of model and data.
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import resource
 import time
@@ -27,6 +28,7 @@ import time
 import click
 import numpy as np
 
+from gyre_hpc.bench.mfu import attention_pairs, gemm_rate, step_flops
 from gyre_hpc.bench.model_option import model_option
 from gyre_hpc.report import emit
 
@@ -141,7 +143,13 @@ def _measure(variant: str, n_runs: int, n_calls: int, seed: int, preset: str, ro
         loss += float(step_loss.detach())
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    flops = step_flops(model.config, int(sum(r.n_tokens for r in rows)),
+                       sum(attention_pairs(r.position_ids) for r in rows), int(sum(r.n_loss_tokens for r in rows)))
     queue.put({
+        "flops": dataclasses.asdict(flops) | {"total": flops.total},
+        "flop_s": flops.total / seconds,
+        # Measured after the step, in the same process and thread count: the reference rate.
+        "gemm": gemm_rate(model.config),
         "step_s": seconds,
         "peak_mem_mb": max(0, peak - rss_before) / 2**20,
         "rows": len(rows),
@@ -162,6 +170,24 @@ def _in_child(variant: str, **kwargs) -> dict:
     if proc.exitcode != 0:
         raise click.ClickException(f"bench trees: the {variant} measurement exited with {proc.exitcode}")
     return result
+
+
+def _mfu(per_path: dict, tree: dict, gemms: list[dict]) -> dict:
+    """Each variant's FLOP rate over the best GEMM rate any of the step's processes measured
+    (the box is shared: the best is the least disturbed)."""
+    gemm = max(gemms, key=lambda g: g["flop_s"])
+    return {
+        "per_path": per_path["flop_s"] / gemm["flop_s"],
+        "tree": tree["flop_s"] / gemm["flop_s"],
+        "gflop_s": {"per_path": per_path["flop_s"] / 1e9, "tree": tree["flop_s"] / 1e9,
+                    "gemm": gemm["flop_s"] / 1e9},
+        "flops": {"per_path": per_path["flops"], "tree": tree["flops"]},
+        "gemm": {k: v for k, v in gemm.items() if k != "flop_s"},
+        "what": "model FLOPs (projections, attention over visible pairs, head over trained tokens; backward "
+                "= 2 x forward; recomputation not counted) per second of the step, over torch.matmul's rate "
+                "at the model's shapes in the model's mix, same thread count, best of the run's processes "
+                "(gyre_hpc.bench.mfu)",
+    }
 
 
 @click.command()
@@ -225,6 +251,7 @@ def command(as_json: bool, n_runs: int, n_calls: int, preset: str, model_path: s
             "ratio": per_path["peak_mem_mb"] / max(tree["peak_mem_mb"], 1e-9),
             "what": "peak RSS (ru_maxrss) minus RSS before the step, each variant in its own process",
         },
+        "mfu": _mfu(per_path, tree, [m["gemm"] for v in measured.values() for m in v]),
         "rows": {"per_path": per_path["rows"], "tree": tree["rows"]},
         "trained_tokens": {"per_path": per_path["trained_tokens"], "tree": tree["trained_tokens"]},
         "loss": {"per_path": per_path["loss"], "tree": tree["loss"]},

@@ -31,6 +31,10 @@ def test_bench_prints_json_with_baseline_and_ratios():
     assert t["per_path"] > 0 and t["tree"] > 0 and abs(t["ratio"] - t["per_path"] / t["tree"]) < 1e-12
     assert out["peak_mem_mb"]["per_path"] >= 0 and out["peak_mem_mb"]["tree"] >= 0
     assert out["trained_tokens"]["tree"] <= out["trained_tokens"]["per_path"]
+    mfu = out["mfu"]   # each variant's FLOP rate over the GEMM rate measured in the same run
+    for v in ("per_path", "tree"):
+        assert mfu[v] > 0 and abs(mfu[v] - mfu["gflop_s"][v] / mfu["gflop_s"]["gemm"]) < 1e-12
+        assert abs(mfu["gflop_s"][v] * 1e9 * t[v] - mfu["flops"][v]["total"]) <= 1e-6 * mfu["flops"][v]["total"]
 
 
 def test_bench_refuses_a_single_run():
