@@ -25,8 +25,10 @@ from typing import Callable
 
 from gyre_hpc.cells.controller import Controller
 from gyre_hpc import fsio
+from gyre_hpc.harness.beneath import remove_tree
 from gyre_hpc.harness.loop import AgentRun, HarnessConfig, RunResult
 from gyre_hpc.harness.scaffold import ScaffoldRun, mini_swe_command
+from gyre_hpc.harness.snapshot import SnapshotStore
 from gyre_hpc.rl.latency import LatencyAgentRun
 from gyre_hpc.rl.router_client import CountingRunClient, RoutedCalls
 from gyre_hpc.rl.runs import RunSpec, sample_runs
@@ -114,17 +116,27 @@ class Rollouts:
         args = (spec.task, self.run.workspaces / spec.run_id, client, self.run.journals / f"{spec.run_id}.journal",
                 self.harness_cfg)
         rc = self.cfg.rollout
+        snapshots = None
         if self.scaffold is not None:
             agent = ScaffoldRun(*args, endpoint=self._serve(), command=self.scaffold, run_id=spec.run_id)
-        elif rc.tool_latency_s > 0:
-            agent = LatencyAgentRun(*args, run_id=spec.run_id, run_seed=spec.seed, median_s=rc.tool_latency_s,
-                                    sigma=rc.tool_latency_sigma, tokenizer=self.tokenizer)
         else:
-            agent = AgentRun(*args, run_id=spec.run_id, tokenizer=self.tokenizer)
+            # A relaunch resumes the run from its journal and the newest of these snapshots
+            # (harness.loop): at most rollout.snapshot_every calls' tools run again.
+            snapshots = SnapshotStore(self.run.snapshots / spec.run_id)
+            resume = dict(run_id=spec.run_id, tokenizer=self.tokenizer, snapshot_every=rc.snapshot_every,
+                          snapshots=snapshots)
+            if rc.tool_latency_s > 0:
+                agent = LatencyAgentRun(*args, run_seed=spec.seed, median_s=rc.tool_latency_s,
+                                        sigma=rc.tool_latency_sigma, **resume)
+            else:
+                agent = AgentRun(*args, **resume)
         try:
             result: RunResult = await agent.run(resume=True)
         finally:
             self.calls.forget_run(spec.run_id)     # its contexts are dead: no memory, no migration
+        if snapshots is not None:
+            # Its journal is ended: a relaunch reads the result from it and needs no workspace.
+            await asyncio.to_thread(remove_tree, snapshots.root)
         versions = result.calls.policy_versions
         tree = build_tree(result.calls, run_id=spec.run_id, task_id=spec.task.task_id, reward=result.reward,
                           status=result.status,
@@ -136,7 +148,9 @@ class Rollouts:
                        "tree_tokens": int(tree.n_tokens), "trained_tokens": int(tree.trained.sum()),
                        "sharing_ratio": expanded / tree.n_tokens if tree.n_tokens else None, "error": result.error}
             fsio.write_text(self.run.journals / f"{spec.run_id}.endpoint.json", json.dumps(figures))
-        self._run_done(st, RunOutcome(spec, tree, client.migrations, client.restarts, client.calls, client.model_s))
+        self._run_done(st, RunOutcome(spec, tree, client.migrations, client.restarts, client.calls, client.model_s,
+                                      resumed_calls=result.replayed, tools_redone=result.tools_redone,
+                                      restarted_from_first=result.restarted))
 
     def _run_done(self, st: StepState, outcome: RunOutcome) -> None:
         st.outcomes[outcome.spec.run_id] = outcome

@@ -13,7 +13,8 @@ def step_rows(st: StepState, rec: RLStepRecord, replicas: int, now: float) -> li
                          status=o.tree.status, reward=o.tree.reward, wall_s=o.tree.wall_s,
                          calls=o.tree.n_paths + len(o.tree.dropped_calls), migrations=o.migrations,
                          restarts=o.restarts, policy_version=o.tree.policy_version, model_s=o.model_s,
-                         started=st.run_started.get(o.spec.run_id, 0.0))
+                         started=st.run_started.get(o.spec.run_id, 0.0), resumed_calls=o.resumed_calls,
+                         tools_redone=o.tools_redone, restarted_from_first=int(o.restarted_from_first))
                   for o in st.outcomes_in_order()]
     gap = rec.gap
     rows.append(StepRow(step=st.step, time=now, wall_s=rec.wall_s, tokens=rec.tokens, replicas=replicas,

@@ -26,6 +26,9 @@ class RunOutcome:
     model_s: float = 0.0
     stored: bool = False       # its tree is in trees.zarr at store_index (read back, or stored ahead)
     store_index: int = -1
+    resumed_calls: int = 0     # resumed after a relaunch: calls replayed from its journal
+    tools_redone: int = 0      # ... whose tools ran again (after its workspace snapshot)
+    restarted_from_first: bool = False   # its journal was abandoned: it began again at call 0
 
 
 @dataclass

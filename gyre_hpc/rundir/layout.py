@@ -89,7 +89,13 @@ class RunDir:
     def workspaces(self) -> Path:
         return self.root / "workspaces"
 
+    @property
+    def snapshots(self) -> Path:
+        """Each unfinished run's workspace snapshots (``harness.snapshot``), one store per run."""
+        return self.root / "snapshots"
+
     def make(self) -> "RunDir":
-        for d in (self.root, self.checkpoints, self.logs, self.control, self.journals, self.workspaces):
+        for d in (self.root, self.checkpoints, self.logs, self.control, self.journals, self.workspaces,
+                  self.snapshots):
             d.mkdir(parents=True, exist_ok=True)
         return self

@@ -65,10 +65,15 @@ TABLES: dict[str, list[tuple[str, Any]]] = {
     # One row per finished agent run (rl workload): how flips touched it. restarts must stay 0.
     # ``started``: when the run took its place in the harness pool (unix time; async runs of
     # step s+1 start while step s's last runs still roll out); 0 for a tree read from the store.
+    # A run a relaunch found unfinished (issue 53): ``resumed_calls`` of its calls came from its
+    # journal (no engine call), ``tools_redone`` of those ran their tools again after its
+    # workspace snapshot (at most rollout.snapshot_every), ``restarted_from_first`` 1 if its
+    # journal was abandoned and it began again at call 0. All 0 for a run never interrupted.
     "runs": [
         ("time", "f8"), ("step", "i4"), ("run_id", _STR), ("task_id", _STR), ("status", _STR),
         ("reward", "f8"), ("wall_s", "f8"), ("calls", "i4"), ("migrations", "i4"), ("restarts", "i4"),
         ("policy_version", "i4"), ("model_s", "f8"), ("started", "f8"),
+        ("resumed_calls", "i4"), ("tools_redone", "i4"), ("restarted_from_first", "i4"),
     ],
 }
 
@@ -139,6 +144,9 @@ class RunRow:
     policy_version: int = 0
     model_s: float = 0.0       # wall time the run spent waiting on model calls (the rest is tools)
     started: float = 0.0       # unix time the run took its harness place (0: read from the store)
+    resumed_calls: int = 0     # calls replayed from the run's journal after a relaunch
+    tools_redone: int = 0      # of those, the calls whose tools ran again (after the snapshot)
+    restarted_from_first: int = 0   # 1: the journal was abandoned, the run began again at call 0
 
 
 _ROW_TABLE = {TimelineRow: "timeline", StepRow: "steps", EngineRow: "engines", EventRow: "events",
