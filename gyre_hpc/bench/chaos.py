@@ -12,7 +12,13 @@ is spent the run must reach its last step, and then:
 - ``trees.zarr``: every run of every step exactly once (the store's run ids), readable by
   xarray (``rundir.load.open_trees``);
 - ``metrics.h5``: each step's row once, each step's runs' rows once;
-- the final checkpoint: its step is the last one and its weights load (``load_pretrained``).
+- the final checkpoint: its step is the last one and its weights load (``load_pretrained``);
+- resume, not restart (issue 53): the runs a relaunch found mid-way (calls in their journal)
+  are counted from their run rows, with the calls each made again (``tools_redone``: journaled
+  calls whose tools ran again after the workspace snapshot; no journaled call goes to the
+  engine again) and the runs whose journal was abandoned and that began again at call 0. The
+  runs are of the ``long`` suite (14-24 model calls each) so a kill lands mid-run. Not counted:
+  a call the kill caught in flight (never journaled), which the resumed run asks again.
 
 Moments: a fault waits for its target (``flip``: a ``flip_start`` row with no ``flip_end``;
 ``checkpoint``: a checkpoint staging directory on disk; ``migration``: a ``migrate`` row just
@@ -44,8 +50,9 @@ from gyre_hpc.report import emit
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "sbatch/gyre_head.sh"
 CONFIG = "examples/local-slurm.yaml"
-# The config's run made small: 2 tasks x 4 runs of one model call, a step in a few seconds.
-SMALL = ("rollout.tasks=easy", "rollout.runs_per_task=4", "rollout.max_new_tokens=24")
+# The config's run made small: 2 tasks x 4 runs of tens of model calls (the long suite's
+# turn budgets, 14-24; a tiny model's output is mostly answer-file text), a step in seconds.
+SMALL = ("rollout.tasks=long", "rollout.runs_per_task=4", "rollout.max_new_tokens=24")
 KINDS = ("rank", "step", "head")
 MOMENTS = ("any", "flip", "checkpoint", "migration", "append")
 MOMENT_WAIT_S = 15.0
@@ -275,7 +282,7 @@ def run_chaos(run_dir: Path, steps: int, faults: list[Fault], timeout_s: float) 
             "wall_s": round(time.monotonic() - t0, 1), "error": error}
 
 
-def audit(run_dir: Path, steps: int, per_step: int) -> dict:
+def audit(run_dir: Path, steps: int, per_step: int, snapshot_every: int) -> dict:
     """Exactly-once counts and the final state's readability."""
     from gyre_hpc.cells import checkpoint
     from gyre_hpc.models.checkpoint import load_pretrained
@@ -310,7 +317,39 @@ def audit(run_dir: Path, steps: int, per_step: int) -> dict:
         "relaunches": names.count("relaunch"),
         "fleet_launches": sum(1 for e in names if e in ("fleet_start", "fleet_resume")),
         "steps_redone": steps_redone(list(zip(events["event"], (int(s) for s in events["step"])))),
+        **resume_counts(runs, snapshot_every),
     }
+
+
+def resume_counts(runs: dict, snapshot_every: int) -> dict:
+    """Resume, not restart, from the ``runs`` table's columns: the runs a relaunch found with
+    calls in their journal (``resumed_calls`` > 0, or ``restarted_from_first``), the calls each
+    made again (``tools_redone``; no journaled call goes to the engine again) against the
+    snapshot interval, and the runs that began again at their first call. A run resumed more
+    than once has the counts of its last resume (its row is written once)."""
+    missing = [c for c in ("resumed_calls", "tools_redone", "restarted_from_first", "calls") if c not in runs]
+    if missing:
+        raise KeyError(f"metrics.h5 runs table has no column {missing[0]!r} (written before issue 53)")
+    resumed = [i for i in range(len(runs["run_id"])) if runs["resumed_calls"][i] > 0 or runs["restarted_from_first"][i]]
+    redone = [int(runs["tools_redone"][i]) for i in resumed]
+    calls = [int(c) for c in runs["calls"]]
+    return {
+        "snapshot_every": snapshot_every,
+        "calls_per_run_mean": round(sum(calls) / len(calls), 2) if calls else 0.0,
+        "interrupted_runs": len(resumed),
+        "resumed_calls_per_interrupted_run_mean": round(sum(int(runs["resumed_calls"][i]) for i in resumed) / len(resumed), 2)
+        if resumed else 0.0,
+        "calls_redone_per_interrupted_run_max": max(redone, default=0),
+        "calls_redone_per_interrupted_run_mean": round(sum(redone) / len(redone), 2) if redone else 0.0,
+        "calls_redone_within_snapshot_interval": all(r <= snapshot_every for r in redone),
+        "runs_restarted_from_first_call": sum(int(runs["restarted_from_first"][i]) for i in resumed),
+    }
+
+
+def snapshot_every() -> int:
+    """The run's ``rollout.snapshot_every``: the config's, as the bench submits it."""
+    from gyre_hpc.config import load_config
+    return load_config(REPO / CONFIG, overrides=list(SMALL)).rollout.snapshot_every
 
 
 def steps_redone(events: list[tuple[str, int]]) -> int:
@@ -351,13 +390,15 @@ def command(as_json: bool, n_faults: int, steps: int, seed: int, timeout_s: floa
                   "head_submissions": len(got["submissions"]), "final_job_state": got["final_state"],
                   "wall_s": got["wall_s"], "error": got["error"], "faults": [asdict(f) for f in faults], "injected": got["injected"]}
         try:
-            result.update(audit(run_dir, steps, per_step) if (run_dir / "trees.zarr").exists() else {"audit": "no store"})
+            result.update(audit(run_dir, steps, per_step, snapshot_every()) if (run_dir / "trees.zarr").exists() else {"audit": "no store"})
         except Exception as exc:   # a run cut short can leave what the audit reads half there: say so in the JSON
             result["audit"] = f"failed: {exc!r}"
         result["ok"] = bool(got["error"] is None and result["faults_injected"] == len(faults) and got["final_state"] == "COMPLETED"
                             and result.get("trees_lost") == 0 and result.get("trees_duplicated") == 0
                             and result.get("step_rows_once") and result.get("run_rows_once")
-                            and result.get("final_checkpoint_step") == steps and result.get("final_checkpoint_loads"))
+                            and result.get("final_checkpoint_step") == steps and result.get("final_checkpoint_loads")
+                            and result.get("runs_restarted_from_first_call") == 0
+                            and result.get("calls_redone_within_snapshot_interval"))
     emit(result, as_json)
     if not result["ok"]:
         sys.exit(1)
