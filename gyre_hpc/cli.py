@@ -21,6 +21,7 @@ COMMANDS = {
     "sim": "gyre_hpc.sim.cli:sim",
     "warmstart": "gyre_hpc.warmstart.cli:warmstart",
     "models": "gyre_hpc.models.cli:models",
+    "export": "gyre_hpc.cells.export:export",
 }
 
 

@@ -22,6 +22,7 @@ directory is renamed into place only after the coordinator has every rank's writ
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,15 +35,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from gyre_hpc import fsio
 from gyre_hpc.cells import checkpoint as ckpt
+from gyre_hpc.cells.export import DCP_METADATA
 from gyre_hpc.cells.gradsync import SyncStats, allreduce_mean
-from gyre_hpc.models.checkpoint import CheckpointError
+from gyre_hpc.models.checkpoint import CONFIG_FILE, CheckpointError, hf_config
 from gyre_hpc.models.decoder import CausalLM
+from gyre_hpc.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, ChatTokenizer
 
 # ``model.dtype`` -> the dtype the layers compute in; master weights, gradients' reduction and
 # the optimizer stay float32 whichever is chosen.
 PARAM_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DCP_METADATA = ".metadata"
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -126,12 +129,17 @@ def _is_coordinator(group: dist.ProcessGroup) -> bool:
     return dist.get_rank(group) == 0
 
 
-def save_sharded(root: Path, meta: ckpt.CheckpointMeta, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, keep: int = 2) -> Path:
+def save_sharded(root: Path, meta: ckpt.CheckpointMeta, model: CausalLM,
+                 optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, keep: int = 2,
+                 tokenizer: ChatTokenizer | None = None) -> Path:
     """Every rank of ``group`` writes its shards of model and optimizer into the staging dir of
     ``meta.step``; the group's rank 0 seals it (``cells.checkpoint.commit``) once DCP's
     coordinator has every rank's write result, so ``latest`` never names a partial checkpoint.
-    Collective over ``group``; returns the sealed directory on every rank."""
+    Collective over ``group``; returns the sealed directory on every rank.
+
+    Rank 0 also writes the model's HF ``config.json`` (float32, the master weights' type) and
+    ``tokenizer`` when given: what ``cells.export`` needs to turn the shards into an HF folder
+    without knowing the run that wrote them."""
     root = Path(root)
     staged = root / (ckpt.step_dir_name(meta.step) + ".tmp")
     if _is_coordinator(group):
@@ -142,7 +150,11 @@ def save_sharded(root: Path, meta: ckpt.CheckpointMeta, model: torch.nn.Module,
     final = root / ckpt.step_dir_name(meta.step)
     if _is_coordinator(group):
         stored = dcp.FileSystemReader(staged).read_metadata().storage_data
-        files = sorted({info.relative_path for info in stored.values()}) + [DCP_METADATA]
+        files = sorted({info.relative_path for info in stored.values()}) + [DCP_METADATA, CONFIG_FILE]
+        fsio.write_text(staged / CONFIG_FILE, json.dumps(hf_config(model.config, torch.float32, tokenizer), indent=2))
+        if tokenizer is not None:
+            tokenizer.save(staged)
+            files += [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
         ckpt.commit(root, meta.step, dataclasses.replace(meta, files=files), keep=keep)
     dist.barrier(group=group)
     return final

@@ -23,6 +23,7 @@ from gyre_hpc.engines.pacing import EnginePace, Pacer, TrainPace
 from gyre_hpc.engines.torch_engine import TorchEngine
 from gyre_hpc.rl.batches import StoreMicroBatches
 from gyre_hpc.rl.driver import RLStepDriver
+from gyre_hpc.rl.preflight import check_ranks_per_cell
 from gyre_hpc.rl.rank import RLRankHandler
 from gyre_hpc.rl.trainer import RLTrainer
 from gyre_hpc.trees.store import TreeStore
@@ -32,9 +33,7 @@ def check_rl_config(cfg: RunConfig) -> None:
     if cfg.workload != "rl":
         raise ConfigError(f"workload={cfg.workload!r}: `python -m gyre_hpc.rl` runs the rl workload; "
                           f"start the {cfg.workload} fleet with `python -m gyre_hpc.{cfg.workload}`")
-    if cfg.cells.ranks_per_cell != 1:
-        raise ConfigError(f"cells.ranks_per_cell={cfg.cells.ranks_per_cell}: the rl workload runs one rank per "
-                          f"cell (an engine or a replica each); set cells.ranks_per_cell=1")
+    check_ranks_per_cell(cfg)
     if cfg.rollout.engine == "vllm":
         import importlib.util
 

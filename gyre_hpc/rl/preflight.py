@@ -55,6 +55,16 @@ def check_config(cfg: RunConfig) -> None:
     check_cell_shards(cfg, lambda: cfg.model.preset)
 
 
+def check_ranks_per_cell(cfg: RunConfig) -> None:
+    """The rl workload's cells are one rank each for now (an engine or a whole replica): a
+    cell of more ranks is refused here, before launch, and again by the fleet at start
+    (``rl.fleet.check_rl_config``) for a config that skipped the preflight. The sharded
+    training inside a cell exists (``cells.sharding``); the RL step does not use it yet."""
+    if cfg.cells.ranks_per_cell != 1:
+        raise ConfigError(f"cells.ranks_per_cell={cfg.cells.ranks_per_cell}: the rl workload runs one rank per "
+                          f"cell (an engine or a replica each); set cells.ranks_per_cell=1")
+
+
 def check_cell_shards(cfg: RunConfig, architecture) -> None:
     """ConfigError naming ``cells.ranks_per_cell`` and the tensor when a cell's ranks cannot
     each hold a slice of every parameter (``cells.shard_shape``). ``architecture()``: the
@@ -74,6 +84,7 @@ def check_cell_shards(cfg: RunConfig, architecture) -> None:
         check_shardable(parameter_shapes(model.named_parameters()), cfg.cells.ranks_per_cell)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    check_ranks_per_cell(cfg)
 
 
 def prepare_config(cfg: RunConfig, build: bool, log=print) -> RunConfig:

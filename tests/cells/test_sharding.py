@@ -66,7 +66,7 @@ def test_bf16_parameters_reduce_and_keep_float32(tmp_path):
 @pytest.mark.slow   # three launches, 7 ranks in all
 def test_a_checkpoint_of_2_ranks_resumes_at_1_and_4(tmp_path):
     saved = run(tmp_path, 2, PROGRAM, "save", 2, tmp_path, name="save.json")
-    assert saved["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
+    assert saved["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "config.json", "meta.json"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000001"
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     for n in (1, 4):
@@ -151,3 +151,29 @@ def test_save_sharded_in_a_one_rank_group_seals_a_checkpoint(tmp_path):
             assert torch.equal(a.full_tensor(), b.full_tensor())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.mpi
+def test_export_of_a_2_rank_checkpoint_opens_in_transformers_with_the_models_logits(tmp_path):
+    import transformers
+    from click.testing import CliRunner
+
+    from gyre_hpc.cli import main
+    from gyre_hpc.models.tokenizer import embedded_tokenizer
+
+    saved = run(tmp_path, 2, PROGRAM, "hf", 2, tmp_path)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "__1_0.distcp"} <= set(saved["files"])
+    out = tmp_path / "hf"
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "checkpoints"), str(out)])   # latest
+    assert res.exit_code == 0, res.output
+    state = torch.load(tmp_path / "model-1.pt")
+    ours = build_model(LMConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=90))
+    ours.load_state_dict(state)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.tensor([embedded_tokenizer().encode("Create mathx.py with a function add(a, b).")])
+    with torch.no_grad():
+        want = ours(ids, torch.arange(ids.shape[1])[None])
+        torch.testing.assert_close(hf(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+    assert want.abs().max() > 0.1
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).encode("add(a, b)", add_special_tokens=False) == \
+        embedded_tokenizer().encode("add(a, b)")

@@ -6,12 +6,16 @@ relative difference from one unsharded replica that trains the whole batch.
 
 ``save OUT PORT R ROOT``: steps 1-3 on one cell of R ranks, a sharded checkpoint after step 1;
 writes each step's loss and the full state after step 1 (ROOT/full-1.pt).
+``hf OUT PORT R ROOT``: one step on a cell of R ranks of a model with the embedded tokenizer's
+vocabulary, then a sharded checkpoint with its tokenizer; rank 0 writes the whole model's
+state after the step (ROOT/model-1.pt), what its export must give.
 ``load OUT PORT R ROOT``: a fresh cell of R ranks (other seed) loads ROOT's checkpoint, compares
 its full state with ROOT/full-1.pt bitwise, then runs steps 2-3 and writes their losses.
 """
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from gyre_hpc.cells import sharding
 from gyre_hpc.cells.checkpoint import CheckpointMeta
 from gyre_hpc.models.decoder import LMConfig, build_model
+from gyre_hpc.models.tokenizer import embedded_tokenizer
 
 torch.set_num_threads(1)
 # Sizes that do not divide 2 or 4 ranks evenly (vocab 101, kv projection 2*16=32 rows is even).
@@ -45,7 +50,7 @@ def loss_of(model, ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.
     """Mean next-token cross entropy over ids [B, T] (every row the same length)."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     logits = model(ids, pos, checkpoint_layers=checkpoint_layers)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, CFG.vocab_size), ids[:, 1:].reshape(-1))
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 def cell_groups(cells: int, ranks: int):
@@ -97,6 +102,20 @@ if mode == "grad":
     write({"loss": mean_loss, "ref_loss": float(ref_loss), "max_rel_grad": worst,
            "grad_dtype": str(full["model.norm.weight"].dtype), "master_dtype": local_dtype,
            "replica_bytes": stats.bytes})
+elif mode == "hf":
+    ranks, root = int(sys.argv[4]), Path(sys.argv[5])
+    tokenizer = embedded_tokenizer()
+    group = cell_groups(1, ranks)
+    model = sharding.shard_model(build_model(replace(CFG, vocab_size=tokenizer.vocab_size), seed=3), group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_of(model, my_micro(1, rank, size)).backward()
+    opt.step()
+    sealed = sharding.save_sharded(root / "checkpoints", CheckpointMeta(step=1, policy_version=1, roles={}),
+                                   model, opt, group, tokenizer=tokenizer)
+    msd, _ = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in msd.items()}, root / "model-1.pt")
+    write({"sealed": str(sealed), "files": sorted(os.listdir(sealed))})
 else:
     ranks, root = int(sys.argv[4]), Path(sys.argv[5])
     group = cell_groups(1, ranks)
