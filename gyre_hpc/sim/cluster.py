@@ -12,6 +12,7 @@ policy the runtime calls; the changes it returns are applied with their switch c
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time as wallclock
@@ -19,6 +20,7 @@ from collections import deque
 from typing import Mapping
 
 from gyre_hpc.rundir.metrics import EngineRow, EventRow, RunRow, StepRow, TimelineRow
+from gyre_hpc.sched.observed_floor import FloorRange, StepObservation, observed_floor
 from gyre_hpc.sched.staleness import may_launch_batch, next_batch_waits, staleness_bound
 from gyre_hpc.sched.state import CellKind, CellState, ClusterState, Policy, Role, RoleChange
 from gyre_hpc.sched.tail import RunProgress, tail_runs
@@ -157,6 +159,15 @@ class FleetSim:
         self.event_rows: list[EventRow] = []
         self.run_rows: list[RunRow] = []
         self.step_s: list[float] = []
+        # policy.floor "observed": elastic's floor set after each step from what it measured
+        # (sched.observed_floor); the cell-time totals at the last step's end and the longest
+        # run finished since.
+        self.observe_floor = w.policy.floor == "observed" and hasattr(policy, "params") and hasattr(
+            policy.params, "train_floor_cells")
+        self.floor_history: list[StepObservation] = []
+        self.floors: list[int] = []
+        self.acc_at_step: list[float] = [0.0] * 5
+        self.longest_run_s = 0.0
 
     # ---------------------------------------------------------------- plumbing
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -451,6 +462,7 @@ class FleetSim:
             status="timeout" if cut else "finished", reward=float("nan"), wall_s=self.now - self.run_start[run],
             calls=min(self.run_idx[run] * self.w.run.coarsen, b.calls[i]), migrations=self.run_migrations[run],
             policy_version=self.batch_version[step]))
+        self.longest_run_s = max(self.longest_run_s, self.now - self.run_start[run])
         trained = self.run_tokens[run] * self.w.run.trained_per_token   # what the trainer processes for it
         self.group_tokens[g] += trained
         self.finished_tokens += trained
@@ -577,10 +589,28 @@ class FleetSim:
         if self.version >= self.w.steps:
             self.done = True
             return
+        if self.observe_floor:
+            self.set_observed_floor()
         self.tr_avail = self.backlog.pop(self.version, 0.0)
         self.trainer_update()
         self.try_start_batch()
         self.request_decision()
+
+    def set_observed_floor(self) -> None:
+        """After a step: what it measured (engine- and replica-seconds busy, its longest
+        run) goes to ``sched.observed_floor``, and elastic holds the floor it gives."""
+        acc = [sum(c.acc[k] + (self.now - c.since if c.cat == k else 0.0) for c in self.cells) for k in range(5)]
+        d = [a - b for a, b in zip(acc, self.acc_at_step)]
+        self.acc_at_step = acc
+        self.floor_history.append(StepObservation(engine_busy_s=d[ROLLOUT_BUSY], train_busy_s=d[TRAIN_BUSY],
+                                                  longest_run_s=self.longest_run_s))
+        self.longest_run_s = 0.0
+        f = self.w.fleet
+        bounds = FloorRange(cells=f.cells, lowest=self.w.core_cells, highest=f.cells - 1 - f.rollout_only)
+        floor = observed_floor(self.floor_history, bounds)
+        self.floors.append(floor)
+        self.policy = dataclasses.replace(self.policy, params=dataclasses.replace(self.policy.params,
+                                                                                  train_floor_cells=floor))
 
     # ---------------------------------------------------------------- roles
     def request_decision(self) -> None:

@@ -5,7 +5,9 @@ A user picks a split from a few probe steps and keeps it; the workload then drif
 each window of the run (does the drift move it?), the split the simulator's search finds on
 the first tenth of the steps and then holds (what a user would run), the best split in
 hindsight (the search over the whole drifted run), colocate, and elastic at staleness 0 and
-at staleness 1 with no floor handed to it (``train_floor_cells`` 0: nothing searched).
+at staleness 1 with no floor handed to it: with none at all (``train_floor_cells`` 0), and
+with the floor it finds from what it measures each step (``policy.floor: observed``,
+``sched.observed_floor``: nothing searched).
 Every split comes from the one search there is, ``compare.tuned_async``.
 """
 from __future__ import annotations
@@ -15,8 +17,9 @@ import math
 import time
 
 from gyre_hpc.sim.batch import Batch, sample_batch
-from gyre_hpc.sim.cluster import policy_for, simulate
+from gyre_hpc.sim.cluster import FleetSim, policy_for, simulate
 from gyre_hpc.sim.compare import tuned_async
+from gyre_hpc.sim.result import SimResult
 from gyre_hpc.sim.workload import Workload, WorkloadError
 
 EARLY_SHARE = 0.1   # the probe a user tunes the split on: the first tenth of the steps
@@ -46,6 +49,14 @@ def best_split_by_window(w: Workload, count: int) -> list[dict]:
     return rows
 
 
+def elastic_observed(w: Workload) -> tuple[SimResult, list[int]]:
+    """Elastic at staleness 1 whose floor is set after each step from what it measured, and
+    the floor it held at each step after the first (the first has none: nothing measured)."""
+    wo = dataclasses.replace(w, policy=dataclasses.replace(w.policy, floor="observed"))
+    sim = FleetSim(wo, policy_for(wo, "elastic", max_staleness=1, train_floor_cells=0), "elastic")
+    return sim.run(), sim.floors
+
+
 def drift_report(w: Workload, window_count: int = 4) -> dict:
     """The report above, with the ratios issue 55 asks for."""
     if not w.drift.points:
@@ -56,11 +67,13 @@ def drift_report(w: Workload, window_count: int = 4) -> dict:
     early_steps = max(1, math.ceil(EARLY_SHARE * w.steps))
     early = tuned_async(w, search_steps=early_steps, prune=True)
     hindsight = tuned_async(w, search_steps=w.steps, prune=True)
+    observed, floors = elastic_observed(w)
     hours = {"early_tuned": early["total_h"], "hindsight": hindsight["total_h"],
              "colocate": simulate(w, policy_for(w, "colocate"), "colocate").total_h,
              "elastic_s0": simulate(w, policy_for(w, "elastic"), "elastic").total_h,
              "elastic_s1_no_floor": simulate(w, policy_for(w, "elastic", max_staleness=1, train_floor_cells=0),
-                                             "elastic").total_h}
+                                             "elastic").total_h,
+             "elastic_s1_observed": observed.total_h}
     # The splits' hours come rounded from the search: every ratio is of the hours as reported.
     hours = {k: round(v, 3) for k, v in hours.items()}
     splits = [r["train_cells"] for r in by_window]
@@ -71,10 +84,13 @@ def drift_report(w: Workload, window_count: int = 4) -> dict:
         "best_split_moves_cells": max(splits) - min(splits),
         "early_tuned": {"train_cells": early["train_cells"], "search_steps": early_steps},
         "hindsight": {"train_cells": hindsight["train_cells"], "search_steps": w.steps},
+        "elastic_s1_observed_floors": floors,
         "hours": hours,
         "ratios": {
             "elastic_s1_no_floor_over_early_tuned": round(hours["early_tuned"] / hours["elastic_s1_no_floor"], 3),
             "elastic_s1_no_floor_over_hindsight": round(hours["hindsight"] / hours["elastic_s1_no_floor"], 3),
+            "elastic_s1_observed_over_early_tuned": round(hours["early_tuned"] / hours["elastic_s1_observed"], 3),
+            "elastic_s1_observed_over_hindsight": round(hours["hindsight"] / hours["elastic_s1_observed"], 3),
             "elastic_s0_over_colocate": round(hours["colocate"] / hours["elastic_s0"], 3),
             "hindsight_over_early_tuned": round(hours["early_tuned"] / hours["hindsight"], 3)},
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -263,6 +263,18 @@ class PolicyParams:
     validated by the same dataclass. The workload's engine and trainer size elastic's
     target occupancy, KV figure and training-rate prior unless these set them."""
     elastic: ElasticParams = ElasticParams()
+    # Where elastic's train floor comes from: "given" (``elastic.train_floor_cells`` as set,
+    # e.g. a searched split), or "observed" (``sched.observed_floor``: after each step, the
+    # split that balances the engine- and replica-seconds the step measured; the simulator
+    # feeds it what a runtime controller could measure, never the workload's sampled future).
+    floor: str = "given"
+
+    def __post_init__(self) -> None:
+        if self.floor not in FLOOR_SOURCES:
+            raise WorkloadError(f"policy.floor={self.floor!r}: must be one of {', '.join(FLOOR_SOURCES)}")
+
+
+FLOOR_SOURCES = ("given", "observed")
 
 
 @dataclass(frozen=True)
