@@ -6,8 +6,8 @@ uvicorn serves it on the controller's event loop, the one ``EngineCalls`` steps 
 
 Per request: find the session (``endpoint_sessions``), plan its prompt against the session's
 calls (``session_context``), call the session's model client (``complete(prompt ids,
-max_new_tokens, stop) -> ids, logprobs``: ``EngineCalls``'s ``RunClient`` today, the router
-later), journal the call as the engine saw it, reply. Every failure of one request is an
+max_new_tokens, stop) -> ids, logprobs``: ``EngineCalls``'s ``RunClient`` in tests, the router's
+``CountingRunClient`` during rollout: ``rl.rollouts``), journal the call as the engine saw it, reply. Every failure of one request is an
 OpenAI error body for that request alone. Time in the endpoint, the engine's excluded, is
 kept per call (``SessionStats.overhead_s``).
 """

@@ -59,3 +59,25 @@ def test_openai_script_runs_train_exactly_the_tokens_the_engines_sampled(tmp_pat
         assert figures["sharing_ratio"] > 1.0 and figures["trained_tokens"] == sampled.size
         print(tree.run_id, json.dumps({k: figures[k] for k in ("calls", "drift", "sharing_ratio", "overhead_ms_mean",
                                                                "reward")}))
+
+
+@pytest.mark.slow       # ~2 min here: the fleet, and litellm imported per run
+def test_mini_swe_agent_drives_every_run_of_a_step_and_trains_its_sampled_tokens(tmp_path):
+    pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (pip install -e '.[miniswe]')")
+    run, _, stdout = scaffold_step(tmp_path, "mini-swe-agent")
+    assert " step 1/1 reward " in stdout
+    with TreeStore.open(run.trees, "r") as store:
+        trees = [store.read(i) for i in range(len(store))]
+    assert len(trees) == 2
+    for tree in trees:
+        journal = load_journal(run.journals / f"{tree.run_id}.journal")
+        calls = list(journal.calls)
+        assert journal.finished and tree.reward == journal.reward and len(calls) >= 1
+        for k, c in enumerate(calls):                       # every context exactly as the engine saw it
+            assert np.array_equal(tree.path(k), np.concatenate([c.prompt, c.output]))
+        sampled = sorted(int(t) for c in calls for t in c.output)
+        assert int(tree.trained.sum()) == len(sampled) and sorted(tree.tokens[tree.trained].tolist()) == sampled
+        figures = json.loads((run.journals / f"{tree.run_id}.endpoint.json").read_text())
+        assert figures["drift"] == 0 and figures["calls"] == len(calls)
+        print(tree.run_id, json.dumps({k: figures[k] for k in ("calls", "extends", "branches", "drift",
+                                                               "sharing_ratio", "overhead_ms_p50", "reward")}))
