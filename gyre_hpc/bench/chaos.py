@@ -368,7 +368,7 @@ def steps_redone(events: list[tuple[str, int]]) -> int:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option("--faults", "n_faults", default=20, show_default=True, help="faults to inject")
-@click.option("--steps", default=200, show_default=True, help="RL steps of the run: enough that every fault lands before the last (a step of this small run takes 1-2 s; 40 ended after 9 of 20 faults)")
+@click.option("--steps", default=80, show_default=True, help="RL steps of the run: enough that every fault lands before the last (with one-call runs a step took 1-2 s and 40 steps ended after 9 of 20 faults; with the long suite's runs a step takes 12-39 s on a 2-core machine at load ~16, so 80, not 200)")
 @click.option("--seed", default=0, show_default=True, help="the fault schedule's seed")
 @click.option("--timeout-s", default=3600.0, show_default=True, help="give up after this long")
 @click.option("--keep", type=click.Path(file_okay=False), default=None, help="run directory to keep (default: a temporary one)")
