@@ -318,3 +318,22 @@ def test_tool_calls_are_replied_as_openai_tool_calls_and_the_echo_extends(served
     assert (inc.base, inc.shared) == (0, journal.calls.seq_len(0))
     assert int(inc.new[0]) == embedded_tokenizer().eos_id       # the turn's end, after the sampled </tool_call>
     assert (s.stats.retries, s.stats.extends, s.stats.drift) == (1, 0, 0) and s.stats.branches == 1
+
+
+def test_a_session_s_budgets_are_openai_errors_for_it_alone(served):
+    good, good_client = served.session("budget-good")
+    spent = served.registry.open("budget-spent", served.calls.client(0), served.tmp / "budget-spent.journal", max_calls=1)
+    late = served.registry.open("budget-late", served.calls.client(0), served.tmp / "budget-late.journal",
+                                deadline=time.monotonic() - 1.0)
+    url = served.url + "/chat/completions"
+    body = {"model": MODEL, "messages": [SYS, {"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {spent.key}"}).status_code == 200
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {spent.key}"})
+    assert r.status_code == 429 and _error(r)["code"] == "turn_budget_spent" and spent.spent.is_set()
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {late.key}"})
+    assert r.status_code == 408 and _error(r)["code"] == "run_timeout"
+    spent.closed = True
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {spent.key}"})
+    assert r.status_code == 404 and "has ended" in _error(r)["message"]
+    assert _chat(good_client, [SYS, {"role": "user", "content": "still fine"}]).choices[0].message.role == "assistant"
+    assert (len(load_journal(spent.journal.path).calls), len(load_journal(late.journal.path).calls)) == (1, 0)
