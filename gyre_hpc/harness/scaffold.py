@@ -76,6 +76,7 @@ class ScaffoldRun:
         self.session = None
 
     async def run(self, resume: bool = True) -> RunResult:
+        restarted = False     # an unfinished journal with calls: counted as begun again at call 0
         if self.journal_path.exists():
             state = load_journal(self.journal_path)
             if resume and state.finished:
@@ -83,6 +84,7 @@ class ScaffoldRun:
                                  state.wall_s or 0.0, state.calls, None)
             # Unfinished: the scaffold's own state is gone, so the run starts over; the journal
             # shows the workspace is this run's.
+            restarted = len(state.calls) > 0
             self.journal_path.unlink()
             shutil.rmtree(self.workspace_path, ignore_errors=True)
         elif self.workspace_path.exists() and any(self.workspace_path.iterdir()):
@@ -114,7 +116,7 @@ class ScaffoldRun:
         wall = time.monotonic() - start
         session.journal.end(status, check.score, wall, list(check.passed))
         return RunResult(self.run_id, self.task.task_id, status, check.score, wall, session.journal.log, check,
-                         error=error)
+                         error=error, restarted=restarted)
 
     async def _drive(self, env: dict[str, str], session, deadline: float) -> tuple[str, str | None]:
         """Run the scaffold to its end or its budget's; (status, error)."""

@@ -25,7 +25,7 @@ from gyre_hpc.harness.confined_shell import (ENV_DEADLINE, ENV_LIMITS, ENV_WORKS
                                              USAGE_EXIT, shell_env, shell_settings)
 from gyre_hpc.harness.endpoint_server import EndpointServer  # noqa: E402
 from gyre_hpc.harness.engine_client import EngineCalls  # noqa: E402
-from gyre_hpc.harness.journal import load_journal  # noqa: E402
+from gyre_hpc.harness.journal import JournalWriter, load_journal  # noqa: E402
 from gyre_hpc.harness.loop import HarnessConfig  # noqa: E402
 from gyre_hpc.harness.scaffold import ScaffoldRun, scaffold_env  # noqa: E402
 from gyre_hpc.harness.tasks.files import load_task  # noqa: E402
@@ -108,6 +108,21 @@ def test_dropped_middle_turn_branches_and_the_tree_keeps_both_contexts(tmp_path)
     assert int(tree.trained.sum()) == sum(c.output.size for c in journal.calls)
     leaves = set(range(tree.n_nodes)) - set(tree.parent.tolist())
     assert len(leaves) == 2                                               # two contexts: a branch
+
+
+def test_an_unfinished_scaffold_run_starts_over_and_says_it_restarted(tmp_path):
+    """A scaffold's state is its own, so a relaunch cannot resume it: its journal of 2 calls is
+    dropped, the run begins again at call 0 and its result counts the restart (the runs row's
+    restarted_from_first)."""
+    first, _, _ = _scaffold(tmp_path, "drop-middle")
+    journal = load_journal(tmp_path / "r0.journal")
+    w = JournalWriter.create(tmp_path / "r0.journal", "r0", TASK.task_id)
+    for call in list(journal.calls)[:2]:
+        w.append_call(call)
+    w.close()                                       # no end record: killed mid-run
+    run, client, result = _scaffold(tmp_path, "drop-middle")
+    assert result.status == "finished" and result.restarted
+    assert len(result.calls) == len(client.completions) == len(journal.calls)   # every call made again
 
 
 def test_turn_budget_kills_the_scaffold_from_outside(tmp_path):
