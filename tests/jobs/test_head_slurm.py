@@ -51,8 +51,14 @@ def test_sbatch_smoke_finishes_with_cells_flipping_both_ways(tmp_path):
     assert "finished 6 steps in 1 launch" in out.read_text()
 
 
+# 12 steps, not 30: the kill and the USR2 land once step 2 is checkpointed (a smoke step takes
+# ~1 s), so 12 leaves the resume ten steps to prove, and the resumed fleet no longer spends
+# ~20 s on steps no assertion reads.
+STEPS = 12
+
+
 def test_killed_step_is_relaunched_from_the_last_checkpoint(tmp_path):
-    job, run_dir, out = _submit(tmp_path, "train.steps=30")
+    job, run_dir, out = _submit(tmp_path, f"train.steps={STEPS}")
     step_id = wait_for(lambda: fleet_step(run_dir, 1), 120, "the first fleet step", job, out)
     wait_for(lambda: checkpoint_step(run_dir) >= 2, 120, "a checkpoint of step 2", job, out)
     subprocess.run(["scancel", step_id], check=True)
@@ -63,7 +69,7 @@ def test_killed_step_is_relaunched_from_the_last_checkpoint(tmp_path):
     resumed = [s for e, s, _ in events(run_dir) if e == "fleet_resume"]
     assert len(resumed) == 1 and resumed[0] >= 3  # resumed after a checkpoint, not from scratch
     counts = Counter(steps(run_dir))
-    assert sorted(counts) == list(range(1, 31))
+    assert sorted(counts) == list(range(1, STEPS + 1))
     assert set(counts.values()) == {1}, {s: n for s, n in counts.items() if n > 1}
 
 
@@ -85,13 +91,13 @@ def test_too_many_killed_steps_fail_the_job_with_a_clear_message(tmp_path):
 
 
 def test_usr2_checkpoints_requeues_and_resumes_without_repeating_a_step(tmp_path):
-    job, run_dir, out = _submit(tmp_path, "train.steps=30")
+    job, run_dir, out = _submit(tmp_path, f"train.steps={STEPS}")
     wait_for(lambda: fleet_step(run_dir, 1), 120, "the first fleet step", job, out)
     wait_for(lambda: checkpoint_step(run_dir) >= 2, 120, "a checkpoint of step 2", job, out)
     subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True)
     info = wait_job(job, 120, until=lambda i: i["Restarts"] == "1", log=out)
     saved = checkpoint_step(run_dir)
-    assert 2 <= saved < 30
+    assert 2 <= saved < STEPS
     info = wait_job(job, 300, log=out)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out.read_text()
     ev = events(run_dir)
@@ -100,7 +106,7 @@ def test_usr2_checkpoints_requeues_and_resumes_without_repeating_a_step(tmp_path
     assert requeue == [saved] and resume == [saved]
     assert [s for e, s, _ in ev if e == "fleet_resume"] == [saved + 1]
     counts = Counter(steps(run_dir))
-    assert sorted(counts) == list(range(1, 31)) and set(counts.values()) == {1}
+    assert sorted(counts) == list(range(1, STEPS + 1)) and set(counts.values()) == {1}
     assert "USR2: checkpointed at step" in out.read_text()
 
 

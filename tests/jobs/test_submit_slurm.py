@@ -45,7 +45,7 @@ def test_submit_runs_the_smoke_fleet_as_a_het_step(tmp_path):
 
 
 def test_submit_usr2_drains_requeues_and_resumes(tmp_path):
-    cfg = _cfg(tmp_path, "train.steps=30")
+    cfg = _cfg(tmp_path, "train.steps=12")    # USR2 lands after step 2's checkpoint; 12 leaves 10 to resume
     run_dir = tmp_path / "run"
     job = gyre_hpc.submit(cfg)
     wait_for(lambda: fleet_step(run_dir, 1), 120, "the first fleet step", job.job_id)
@@ -54,12 +54,12 @@ def test_submit_usr2_drains_requeues_and_resumes(tmp_path):
     wait_job(job.job_id, 120, until=lambda i: i["Restarts"] == "1")
     saved = checkpoint_step(run_dir)
     result = wait_for_result(job, 300)
-    assert result["status"] == "finished" and result["last_step"] == 30, result
+    assert result["status"] == "finished" and result["last_step"] == 12, result
     ev = events(run_dir)
     assert [s for e, s, _ in ev if e == "requeue"] == [saved]
     assert [s for e, s, _ in ev if e == "resume"] == [saved]
     counts = Counter(steps(run_dir))
-    assert sorted(counts) == list(range(1, 31)) and set(counts.values()) == {1}
+    assert sorted(counts) == list(range(1, 13)) and set(counts.values()) == {1}
     assert job_info(job.job_id)["Restarts"] == "1"
 
 
