@@ -813,3 +813,32 @@ def test_engines_are_arriving_only_while_a_flip_to_rollout_is_young():
     assert flips.engines_arriving(10.5, 1.0) and not flips.engines_arriving(11.0, 1.0)
     flips.pending = (SimpleNamespace(changes=[RoleChange(3, Role.TRAIN)]), {}, 10.0)
     assert not flips.engines_arriving(10.5, 1.0)
+
+
+def test_a_resumed_runs_counts_reach_its_runs_row_and_a_run_never_interrupted_has_zeros(tmp_path):
+    """``rl.step_rows``: what a relaunch's resume cost each run (issue 53) is in its ``runs``
+    row, and reads back from metrics.h5 as written."""
+    import dataclasses
+
+    from gyre_hpc.rl.runs import RunSpec
+    from gyre_hpc.rl.step_rows import step_rows
+    from types import SimpleNamespace
+
+    from gyre_hpc.rl.step_state import RLStepRecord, RunOutcome, StepState
+    from gyre_hpc.rundir.metrics import read_table
+
+    trees = _trees(n_tasks=1, g=2)
+    specs = [RunSpec(step=1, group=0, index=i, task=SimpleNamespace(task_id=t.task_id), seed=i)
+             for i, t in enumerate(trees)]
+    st = StepState(step=1, specs=specs)
+    st.outcomes[specs[0].run_id] = RunOutcome(specs[0], dataclasses.replace(trees[0], run_id=specs[0].run_id),
+                                              resumed_calls=9, tools_redone=3)
+    st.outcomes[specs[1].run_id] = RunOutcome(specs[1], dataclasses.replace(trees[1], run_id=specs[1].run_id))
+    rec = RLStepRecord(step=1, wall_s=1.0, loss=0.5, train_cells=(0,), tokens=10, policy_version=1,
+                       reward_mean=0.5, runs=2, migrations=0, restarts=0, flips=0)
+    rows = step_rows(st, rec, replicas=1, now=1.0)[:2]
+    assert [(r.resumed_calls, r.tools_redone, r.restarted_from_first) for r in rows] == [(9, 3, 0), (0, 0, 0)]
+    with MetricsWriter(tmp_path / "metrics.h5") as m:
+        m.append(rows)
+    runs = read_table(tmp_path / "metrics.h5", "runs")
+    assert runs["resumed_calls"].tolist() == [9, 0] and runs["tools_redone"].tolist() == [3, 0]
