@@ -84,12 +84,15 @@ DEFAULT_WEIGHT = 0.8
 
 
 def observed_floor(history: Sequence[StepObservation], bounds: FloorRange, weight: float = DEFAULT_WEIGHT) -> int:
-    """The train floor for the next step from the steps measured so far (0, no floor, before
-    any): the split whose predicted step is shortest; a tie goes to fewer trainers, since
+    """The train floor for the next step from the steps measured so far: the split whose
+    predicted step is shortest. Before any step is measured, half the cells (within the
+    range): a start in the middle, not a search; with no floor at all the first step ran
+    1.3x the next ones on the paper preset (elastic releases engines the batch then lacks),
+    and on 8-step runs of small fleets that one step cost 2-4% of the run (docs/sim.md); a tie goes to fewer trainers, since
     elastic can release an engine to train but never turns a trainer into an engine below
     its floor."""
     if not history:
-        return 0
+        return min(max(bounds.cells // 2, bounds.lowest), bounds.highest)
     ob = smoothed(history, weight)
 
     def key(t: int) -> tuple[float, float, int]:

@@ -168,6 +168,8 @@ class FleetSim:
         self.floors: list[int] = []
         self.acc_at_step: list[float] = [0.0] * 5
         self.longest_run_s = 0.0
+        if self.observe_floor:
+            self.hold_floor(observed_floor([], self.floor_range()))
 
     # ---------------------------------------------------------------- plumbing
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -605,9 +607,13 @@ class FleetSim:
         self.floor_history.append(StepObservation(engine_busy_s=d[ROLLOUT_BUSY], train_busy_s=d[TRAIN_BUSY],
                                                   longest_run_s=self.longest_run_s))
         self.longest_run_s = 0.0
+        self.hold_floor(observed_floor(self.floor_history, self.floor_range()))
+
+    def floor_range(self) -> FloorRange:
         f = self.w.fleet
-        bounds = FloorRange(cells=f.cells, lowest=self.w.core_cells, highest=f.cells - 1 - f.rollout_only)
-        floor = observed_floor(self.floor_history, bounds)
+        return FloorRange(cells=f.cells, lowest=self.w.core_cells, highest=f.cells - 1 - f.rollout_only)
+
+    def hold_floor(self, floor: int) -> None:
         self.floors.append(floor)
         self.policy = dataclasses.replace(self.policy, params=dataclasses.replace(self.policy.params,
                                                                                   train_floor_cells=floor))

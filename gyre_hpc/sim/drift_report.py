@@ -51,7 +51,7 @@ def best_split_by_window(w: Workload, count: int) -> list[dict]:
 
 def elastic_observed(w: Workload) -> tuple[SimResult, list[int]]:
     """Elastic at staleness 1 whose floor is set after each step from what it measured, and
-    the floor it held at each step after the first (the first has none: nothing measured)."""
+    the floor it held at each step (the first: half the cells, nothing measured yet)."""
     wo = dataclasses.replace(w, policy=dataclasses.replace(w.policy, floor="observed"))
     sim = FleetSim(wo, policy_for(wo, "elastic", max_staleness=1, train_floor_cells=0), "elastic")
     return sim.run(), sim.floors

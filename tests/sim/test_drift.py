@@ -135,7 +135,7 @@ def test_drift_report_ratios_are_its_hours_and_elastic_gets_no_floor():
     h, r = rep["hours"], rep["ratios"]
     assert set(h) == {"early_tuned", "hindsight", "colocate", "elastic_s0", "elastic_s1_no_floor", "elastic_s1_observed"}
     assert r["elastic_s1_observed_over_hindsight"] == pytest.approx(h["hindsight"] / h["elastic_s1_observed"], abs=5e-4)
-    assert len(rep["elastic_s1_observed_floors"]) == 3 and all(f >= 1 for f in rep["elastic_s1_observed_floors"])
+    assert len(rep["elastic_s1_observed_floors"]) == 4 and all(f >= 1 for f in rep["elastic_s1_observed_floors"])
     assert r["elastic_s1_no_floor_over_early_tuned"] == pytest.approx(h["early_tuned"] / h["elastic_s1_no_floor"], abs=5e-4)
     assert r["elastic_s0_over_colocate"] == pytest.approx(h["colocate"] / h["elastic_s0"], abs=5e-4)
     assert rep["early_tuned"]["search_steps"] == 1 and rep["hindsight"]["search_steps"] == 4

@@ -17,7 +17,8 @@ def test_observed_floor_is_set_after_each_step_from_measured_busy_seconds():
     w = override(TINY, {"policy": {"floor": "observed"}})
     sim = FleetSim(w, policy_for(w, "elastic", max_staleness=1), "elastic")
     sim.run()
-    assert len(sim.floors) == w.steps - 1 == len(sim.floor_history)
+    assert len(sim.floors) == w.steps and len(sim.floor_history) == w.steps - 1
+    assert sim.floors[0] == w.fleet.cells // 2   # nothing measured yet: the middle
     assert all(w.core_cells <= f <= w.fleet.cells - 1 for f in sim.floors)
     assert all(ob.engine_busy_s > 0 and ob.train_busy_s > 0 for ob in sim.floor_history)
     assert sim.policy.params.train_floor_cells == sim.floors[-1]
