@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 from gyre_hpc.rundir.metrics import read_table
@@ -27,6 +28,29 @@ def job_info(job_id: str) -> dict[str, str]:
     return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line))
 
 
+_nudged: dict[str, float] = {}
+
+
+def nudge_if_eligible(job_id: str, info: dict[str, str]) -> bool:
+    """Touch a pending job whose begin time has passed, so the backfill scheduler looks at it.
+
+    A requeued job is held until ``EligibleTime`` (``cred_expire`` + 1 s), and Slurm's backfill
+    runs only after some job, node or partition changed; the begin time passing is no such
+    change. On a busy cluster something always changes; on this idle test cluster the
+    requeued head waited 24-171 s past its eligibility for an unrelated event (slurmctld.log,
+    2026-12-07). A comment update is a job change: it restarted 1 s after eligibility.
+    Returns whether it nudged (at most once every 2 s per job)."""
+    eligible = info.get("EligibleTime", "")
+    if info.get("JobState") != "PENDING" or not eligible[:1].isdigit():
+        return False
+    if datetime.fromisoformat(eligible) > datetime.now() or time.monotonic() - _nudged.get(job_id, 0.0) < 2.0:
+        return False
+    _nudged[job_id] = time.monotonic()
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"Comment=test-nudge-{time.time():.0f}"],
+                   capture_output=True, timeout=20)
+    return True
+
+
 def wait_job(job_id: str, timeout: float, until=lambda info: info["JobState"] in DONE_STATES, log: Path | None = None) -> dict:
     deadline = time.monotonic() + timeout
     info = {}
@@ -34,6 +58,7 @@ def wait_job(job_id: str, timeout: float, until=lambda info: info["JobState"] in
         info = job_info(job_id)
         if until(info):
             return info
+        nudge_if_eligible(job_id, info)
         time.sleep(0.5)
     subprocess.run(["scancel", job_id])
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
@@ -51,7 +76,10 @@ def wait_for(predicate, timeout: float, what: str, job_id: str | None = None, lo
         value = predicate()
         if value:
             return value
-        if job_id is not None and job_info(job_id)["JobState"] in DONE_STATES:
+        info = job_info(job_id) if job_id is not None else {}
+        if job_id is not None:
+            nudge_if_eligible(job_id, info)
+        if info.get("JobState") in DONE_STATES:
             ended_since = ended_since if ended_since is not None else time.monotonic()
             if time.monotonic() - ended_since >= ended_for_s:
                 tail = log.read_text()[-3000:] if log is not None and log.exists() else ""

@@ -53,6 +53,7 @@ def test_submit_usr2_drains_requeues_and_resumes(tmp_path):
     subprocess.run(["scancel", "--batch", "--signal=USR2", job.job_id], check=True)
     wait_job(job.job_id, 120, until=lambda i: i["Restarts"] == "1")
     saved = checkpoint_step(run_dir)
+    wait_job(job.job_id, 300, until=lambda i: i["JobState"] != "PENDING")   # nudges the idle backfill
     result = wait_for_result(job, 300)
     assert result["status"] == "finished" and result["last_step"] == 12, result
     ev = events(run_dir)
