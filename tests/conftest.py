@@ -63,9 +63,18 @@ def _smollm2_missing() -> str | None:
     return None
 
 
+def _miniswe_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("minisweagent") is None:
+        return "mini-swe-agent is not installed (`make install-test` installs it)"
+    return None
+
+
 _CHECKS = {"slurm": (_slurm_up, "GYRE_REQUIRE_SLURM"), "mpi": (_mpi_missing, "GYRE_REQUIRE_MPI"),
            "vllm": (_vllm_missing, "GYRE_REQUIRE_VLLM"), "chromium": (_chromium_missing, "GYRE_REQUIRE_CHROMIUM"),
-           "smollm2": (_smollm2_missing, "GYRE_REQUIRE_SMOLLM2")}
+           "smollm2": (_smollm2_missing, "GYRE_REQUIRE_SMOLLM2"),
+           "miniswe": (_miniswe_missing, "GYRE_REQUIRE_MINISWE")}
 _REASONS: dict[str, str | None] = {}
 
 

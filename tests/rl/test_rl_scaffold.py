@@ -62,8 +62,8 @@ def test_openai_script_runs_train_exactly_the_tokens_the_engines_sampled(tmp_pat
 
 
 @pytest.mark.slow       # ~2 min here: the fleet, and litellm imported per run
+@pytest.mark.miniswe
 def test_mini_swe_agent_drives_every_run_of_a_step_and_trains_its_sampled_tokens(tmp_path):
-    pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (pip install -e '.[miniswe]')")
     run, _, stdout = scaffold_step(tmp_path, "mini-swe-agent")
     assert " step 1/1 reward " in stdout
     with TreeStore.open(run.trees, "r") as store:
