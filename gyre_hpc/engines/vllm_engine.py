@@ -85,6 +85,11 @@ def checkpoint_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]
     return shapes
 
 
+def kv_bytes_per_token(cfg, dtype: str = "float32") -> int:
+    """Bytes of K and V one token holds across the model's layers."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (4 if dtype == "float32" else 2)
+
+
 class VLLMEngine(EngineBookkeeping, Engine):
     carries_kv_cache = False
 
@@ -105,8 +110,11 @@ class VLLMEngine(EngineBookkeeping, Engine):
             enable_sleep_mode = not current_platform.is_cpu()   # vLLM refuses it on CPU
         self._sleep_mode = enable_sleep_mode
         if current_platform.is_cpu() and kv_cache_memory_bytes is None:
-            # The CPU backend otherwise reserves VLLM_CPU_KVCACHE_SPACE (GiBs) per engine.
-            kv_cache_memory_bytes = 256 << 20
+            # The CPU backend otherwise reserves VLLM_CPU_KVCACHE_SPACE (GiBs) per engine. 256 MiB,
+            # or two max-length sequences where that is more: vLLM refuses to start unless one
+            # fits (SmolLM2-135M at 8K in float32 needs 0.35 GiB).
+            kv_cache_memory_bytes = max(256 << 20, 2 * kv_bytes_per_token(cfg, dtype)
+                                        * (max_model_len or min(cfg.max_position, 32768)))
         if kv_cache_memory_bytes is not None:
             llm_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         # On CPU, torch.compile warm-up takes minutes per engine (measured: 87 s for a tiny
