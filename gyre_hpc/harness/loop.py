@@ -52,7 +52,7 @@ from gyre_hpc.harness.context import TokenContext
 from gyre_hpc.harness.journal import JournalState, JournalWriter, load_journal
 from gyre_hpc.harness.resume import restore_workspace
 from gyre_hpc.harness.snapshot import SnapshotError, SnapshotStore, snapshot_due
-from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
+from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace, score_workspace
 from gyre_hpc.harness.tokenizer import ChatFormat, truncate_utf8
 from gyre_hpc.harness.tools import ToolError, Workspace
 from gyre_hpc.models.tokenizer import ChatTokenizer, embedded_tokenizer
@@ -221,13 +221,9 @@ class AgentRun:
                 raise   # the journal's disk, not the run: the fleet stops (tools report their own)
             status, error = "failed", f"{type(exc).__name__}: {exc}"
         # Scored from the workspace as it is, whatever the status: partial progress counts.
-        try:
-            check = await asyncio.to_thread(check_workspace, self.task, self.workspace_path, self.cfg.check_limits)
-        except Exception as exc:  # noqa: BLE001 - a checker that crashes fails the run, never the fleet
-            crash = f"checker crashed: {type(exc).__name__}: {exc}"
+        check, crash = await asyncio.to_thread(score_workspace, self.task, self.workspace_path, self.cfg.check_limits)
+        if crash:
             status, error = "failed", f"{error}; {crash}" if error else crash
-            check = CheckReport(tuple(t.name for t in self.task.tests), (False,) * len(self.task.tests),
-                                (crash[:200],) * len(self.task.tests))
         wall = time.monotonic() - start
         self.writer.end(status, check.score, wall, list(check.passed))
         return RunResult(self.run_id, self.task.task_id, status, check.score, wall, self.calls, check,

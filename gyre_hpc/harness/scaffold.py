@@ -36,7 +36,7 @@ from gyre_hpc.harness.client import ModelClient
 from gyre_hpc.harness.confined_shell import shell_env
 from gyre_hpc.harness.journal import load_journal
 from gyre_hpc.harness.loop import HarnessConfig, RunResult
-from gyre_hpc.harness.tasks import CheckReport, Task, check_workspace
+from gyre_hpc.harness.tasks import Task, score_workspace
 
 if TYPE_CHECKING:     # FastAPI and uvicorn (the endpoint extra) only where a scaffold is served
     from gyre_hpc.harness.endpoint_server import EndpointServer
@@ -106,13 +106,9 @@ class ScaffoldRun:
             async with session.lock:        # a call in flight ends (at the deadline at the latest) first
                 session.closed = True
             self.endpoint.registry.close(session.key)
-        try:
-            check = await asyncio.to_thread(check_workspace, self.task, self.workspace_path, self.cfg.check_limits)
-        except Exception as exc:  # noqa: BLE001 - a checker that crashes fails the run, never the fleet
-            crash = f"checker crashed: {type(exc).__name__}: {exc}"
+        check, crash = await asyncio.to_thread(score_workspace, self.task, self.workspace_path, self.cfg.check_limits)
+        if crash:
             status, error = "failed", f"{error}; {crash}" if error else crash
-            check = CheckReport(tuple(t.name for t in self.task.tests), (False,) * len(self.task.tests),
-                                (crash[:200],) * len(self.task.tests))
         wall = time.monotonic() - start
         session.journal.end(status, check.score, wall, list(check.passed))
         return RunResult(self.run_id, self.task.task_id, status, check.score, wall, session.journal.log, check,

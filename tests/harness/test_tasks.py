@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gyre_hpc.harness.confine import Limits
-from gyre_hpc.harness.tasks import Task, TaskTest, check_workspace, load_suite, suite_names
+from gyre_hpc.harness.tasks import Task, TaskTest, check_workspace, load_suite, score_workspace, suite_names
 
 REFERENCE = {
     "add-function": {"mathx.py": "def add(a, b):\n    return a + b\n"},
@@ -124,3 +124,17 @@ def test_a_hanging_workspace_module_fails_its_test_and_later_tests_still_run(tmp
     report = check_workspace(task, ws, Limits(wall_s=6.0, cpu_s=6))
     assert report.passed == (False, True, False, True), report.summary()
     assert "TimeoutError" in report.reasons[0] and "died" in report.reasons[2]
+
+
+def test_score_workspace_scores_a_workspace_and_fails_every_test_when_the_checker_crashes(tmp_path):
+    limits = Limits(wall_s=10.0, output_bytes=1 << 16)
+    ws = _ADD_TASK.materialize(tmp_path / "ws")
+    (ws / "mathx.py").write_text("def add(a, b):\n    return a + b\n")
+    report, crash = score_workspace(_ADD_TASK, ws, limits)
+    assert crash is None and report.score == 1.0
+    gone = tmp_path / "not-a-dir"
+    gone.write_text("the workspace was replaced by a file")
+    report, crash = score_workspace(_ADD_TASK, gone, limits)
+    assert crash is not None and crash.startswith("checker crashed: ")
+    assert report.score == 0.0 and report.names == tuple(t.name for t in _ADD_TASK.tests)
+    assert all(r == crash[:200] for r in report.reasons)

@@ -37,15 +37,19 @@ def scaffold_step(tmp_path: Path, agent) -> tuple[RunDir, dict, str]:
     return RunDir.at(cfg.run_dir), result, proc.stdout
 
 
+def trees_and_journals(run, count: int):
+    """Each tree in the run's trees.zarr with its run's journal (the store holds ``count``)."""
+    with TreeStore.open(run.trees, "r") as store:
+        trees = [store.read(i) for i in range(len(store))]
+    assert len(trees) == count
+    return [(tree, load_journal(run.journals / f"{tree.run_id}.journal")) for tree in trees]
+
+
 @pytest.mark.slow       # ~80 s here: a fleet of 4 MPI ranks, one step
 def test_openai_script_runs_train_exactly_the_tokens_the_engines_sampled(tmp_path):
     run, _, stdout = scaffold_step(tmp_path, {"command": [sys.executable, SCRIPT, "turns"]})
     assert " step 1/1 reward " in stdout
-    with TreeStore.open(run.trees, "r") as store:
-        trees = [store.read(i) for i in range(len(store))]
-    assert len(trees) == 2
-    for tree in trees:
-        journal = load_journal(run.journals / f"{tree.run_id}.journal")
+    for tree, journal in trees_and_journals(run, 2):
         assert journal.finished and tree.reward == journal.reward == 1.0 and tree.status == "finished"
         calls = list(journal.calls)
         assert len(calls) == 3
@@ -66,11 +70,7 @@ def test_openai_script_runs_train_exactly_the_tokens_the_engines_sampled(tmp_pat
 def test_mini_swe_agent_drives_every_run_of_a_step_and_trains_its_sampled_tokens(tmp_path):
     run, _, stdout = scaffold_step(tmp_path, "mini-swe-agent")
     assert " step 1/1 reward " in stdout
-    with TreeStore.open(run.trees, "r") as store:
-        trees = [store.read(i) for i in range(len(store))]
-    assert len(trees) == 2
-    for tree in trees:
-        journal = load_journal(run.journals / f"{tree.run_id}.journal")
+    for tree, journal in trees_and_journals(run, 2):
         calls = list(journal.calls)
         assert journal.finished and tree.reward == journal.reward and len(calls) >= 1
         for k, c in enumerate(calls):                       # every context exactly as the engine saw it

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from gyre_hpc.harness.tasks.builtin import SUITES
-from gyre_hpc.harness.tasks.checker import CheckReport, check_workspace
+from gyre_hpc.harness.tasks.checker import CheckReport, check_workspace, score_workspace
 from gyre_hpc.harness.tasks.files import TaskFileError, load_task_dir, write_task_dir
 from gyre_hpc.harness.tasks.spec import Task, TaskTest
 
-__all__ = ["CheckReport", "Task", "TaskFileError", "TaskTest", "builtin_task", "check_workspace", "is_task_dir",
+__all__ = ["CheckReport", "Task", "TaskFileError", "TaskTest", "builtin_task", "check_workspace", "is_task_dir", "score_workspace",
            "load_suite", "load_task_dir", "suite_names", "write_task_dir"]
 
 

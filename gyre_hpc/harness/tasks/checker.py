@@ -331,3 +331,15 @@ def check_workspace(task: Task, workspace: str | Path, limits: Limits = Limits(w
     names = tuple(t.name for t in task.tests)
     got = [outcome.get(n, (False, default)) for n in names]
     return CheckReport(names, tuple(ok for ok, _ in got), tuple(why for _, why in got))
+
+
+def score_workspace(task: Task, workspace: str | Path, limits: Limits) -> tuple[CheckReport, str | None]:
+    """A finished run's score from its final workspace, and why the checker crashed (None if it
+    did not): a crashing checker fails that run with every test failed, never the fleet, so every
+    kind of run (the harness's own loop, an outside scaffold) scores the same way."""
+    try:
+        return check_workspace(task, workspace, limits), None
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        crash = f"checker crashed: {type(exc).__name__}: {exc}"
+        n = len(task.tests)
+        return CheckReport(tuple(t.name for t in task.tests), (False,) * n, (crash[:200],) * n), crash
