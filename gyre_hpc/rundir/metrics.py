@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,6 +349,11 @@ def recover_unclosed(path: str | Path) -> bool:
     except OSError as exc:
         if "already open for write" not in str(exc):
             raise
+    # The copy needs about the file's size. HDF5 that runs out of space mid-copy can leave
+    # handles that crash the interpreter when freed (a segfault in h5py's dealloc, seen on a
+    # full tmpfs), so a copy that cannot fit is refused before it starts.
+    if shutil.disk_usage(path.parent).free < path.stat().st_size:
+        raise fsio.DiskFullError(path, f"copying its rows to a fresh file needs ~{path.stat().st_size >> 10} KiB")
     with open_for_read(path) as src:
         attrs = dict(src.attrs)
         present = [table for table in TABLES if table in src]
