@@ -15,8 +15,11 @@ def ob(engine: float, train: float, longest: float = 0.0) -> StepObservation:
     return StepObservation(engine_busy_s=engine, train_busy_s=train, longest_run_s=longest)
 
 
-def test_no_floor_before_anything_is_measured():
-    assert observed_floor([], BOUNDS) == 0
+def test_half_the_cells_train_before_anything_is_measured():
+    # No floor at all let elastic release engines the first batch then lacked (dd45224).
+    assert observed_floor([], BOUNDS) == 5
+    assert observed_floor([], FloorRange(cells=3, lowest=2, highest=2)) == 2     # held inside the range
+    assert observed_floor([], FloorRange(cells=10, lowest=1, highest=3)) == 3
 
 
 def test_the_floor_balances_engine_and_training_seconds():
